@@ -1,0 +1,224 @@
+"""AccumulationHook: install, remove, and the exact arithmetic of a window."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_data
+from conftest import make_model
+from conftest import max_weight_diff
+
+import tfaccum
+from tfaccum import GradientAccumulationCallback
+from tfaccum import install_accumulation_hook
+
+
+def linear_model():
+    """w * x with w = 0 and loss mean(y_pred): a micro-batch's gradient is mean(x)."""
+    model = keras.Sequential(
+        [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y_true, y_pred: y_pred)
+    return model
+
+
+# Micro-batches of sizes 2, 2, 2, 1 whose gradients are 1, 2, 3 and 4.
+MICRO_BATCHES = [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0]]
+
+
+@pytest.mark.parametrize(
+    "reduction, expected_gradient",
+    [("samples", (2 * 1 + 2 * 2 + 2 * 3 + 1 * 4) / 7), ("mean", 2.5), ("sum", 10.0)],
+)
+def test_reductions_by_hand(reduction, expected_gradient):
+    model = linear_model()
+    hook = install_accumulation_hook(model, accumulation_steps=4, reduction=reduction)
+    kernels = []
+    for values in MICRO_BATCHES:
+        x = np.array(values, "float32")[:, None]
+        model.train_on_batch(x, np.zeros_like(x))
+        kernels.append(float(model.layers[0].kernel[0, 0]))
+    # Weights do not move until the window is full; then w = 0 - 1.0 * gradient.
+    assert kernels[:3] == [0.0, 0.0, 0.0]
+    assert kernels[3] == pytest.approx(-expected_gradient, rel=1e-6)
+    assert hook.micro_steps == 4 and hook.optimizer_steps == 1
+    hook.remove()
+
+
+def test_flush_normalises_by_what_the_window_holds():
+    model = linear_model()
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    for values in MICRO_BATCHES[:3]:
+        x = np.array(values, "float32")[:, None]
+        model.train_on_batch(x, np.zeros_like(x))
+    assert hook.pending == tfaccum.Window(micro_batches=3, samples=6)
+    assert hook.flush() == tfaccum.Window(3, 6)
+    assert float(model.layers[0].kernel[0, 0]) == pytest.approx(-2.0)  # mean of 1, 2, 3
+    assert hook.flushes == 1 and hook.pending == tfaccum.Window(0, 0)
+    assert hook.flush() == tfaccum.Window(0, 0)  # nothing left: no update
+    assert hook.flushes == 1 and int(model.optimizer.iterations) == 1
+    hook.remove()
+
+
+def test_drop_discards_and_counts():
+    model = linear_model()
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    for values in MICRO_BATCHES[:2]:
+        x = np.array(values, "float32")[:, None]
+        model.train_on_batch(x, np.zeros_like(x))
+    assert hook.drop() == tfaccum.Window(2, 4)
+    assert hook.dropped_micro_steps == 2
+    assert float(model.layers[0].kernel[0, 0]) == 0.0
+    assert int(model.optimizer.iterations) == 0
+    hook.remove()
+
+
+def test_context_manager_flushes_and_removes():
+    x, y = make_data()
+    reference = make_model(optimizer="adam")
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = make_model(optimizer="adam")
+    with install_accumulation_hook(model, accumulation_steps=4) as hook:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(reference, model) < 1e-5
+    assert not hook.installed and "train_step" not in model.__dict__
+    assert hook.flushes == 1
+
+
+def test_removing_with_a_pending_window_warns():
+    model = linear_model()
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    model.train_on_batch(np.ones((2, 1), "float32"), np.zeros((2, 1), "float32"))
+    with pytest.warns(UserWarning, match=r"discards 1 micro-batches \(2 samples\)"):
+        hook.remove()
+
+
+def test_model_is_plain_after_fit(tmp_path):
+    x, y = make_data()
+    model = make_model(optimizer="adam")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert "train_step" not in model.__dict__
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)  # no custom_objects needed
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    # A later fit without the callback updates every batch.
+    before = int(model.optimizer.iterations)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) - before == 13
+
+
+def test_hook_is_removed_when_fit_is_interrupted_and_refit():
+    x, y = make_data()
+    model = make_model(optimizer="sgd")
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4), Interrupt()])
+    assert "train_step" in model.__dict__  # Keras told no callback
+    with pytest.warns(UserWarning, match="did not finish"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert tfaccum.remove_accumulation_hook(model) is None
+
+
+class ManualStepModel(keras.Model):
+    """A custom train_step that follows the contract: it applies through self.optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(7, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y[:, 0], self(x, training=True)[:, 0])
+            loss = tf.reduce_mean(loss)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_custom_train_step_that_applies_through_the_optimizer():
+    x, y = make_data()
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = ManualStepModel()
+        model(np.zeros((1, 5), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        return model
+
+    reference = build()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert max_weight_diff(reference, model) < 1e-5
+
+
+class AssignsWeightsModel(ManualStepModel):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        for grad, variable in zip(grads, self.trainable_variables):
+            variable.assign_sub(0.01 * grad)
+        return {"loss": loss}
+
+
+def test_custom_train_step_that_bypasses_the_optimizer_is_an_error():
+    x, y = make_data()
+    model = AssignsWeightsModel()
+    model(np.zeros((1, 5), "float32"))
+    model.compile(optimizer="sgd")
+    with pytest.raises(RuntimeError, match=r"applied gradients through `self.optimizer` 0 times"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert "train_step" not in model.__dict__
+
+
+def test_uncompiled_model_is_an_error():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"must be compiled.*model.compile"):
+        install_accumulation_hook(model, accumulation_steps=4)
+
+
+def test_double_accumulation_is_an_error():
+    x, y = make_data()
+    model = make_model(optimizer=lambda: keras.optimizers.SGD(gradient_accumulation_steps=4))
+    with pytest.raises(ValueError, match=r"already accumulates.*gradient_accumulation_steps=4"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
+    assert "train_step" not in model.__dict__
+
+
+def test_installing_twice_is_an_error():
+    model = make_model()
+    install_accumulation_hook(model, accumulation_steps=2)
+    with pytest.raises(ValueError, match="already has an accumulation hook"):
+        install_accumulation_hook(model, accumulation_steps=2)
+
+
+def test_bad_reduction_is_an_error():
+    with pytest.raises(ValueError, match=r"`reduction` must be one of 'samples', 'mean', 'sum'. Received: reduction='avg'"):
+        install_accumulation_hook(make_model(), accumulation_steps=2, reduction="avg")
+
+
+def test_repr():
+    hook = install_accumulation_hook(make_model(), accumulation_steps=3, reduction="mean")
+    assert repr(hook).startswith("AccumulationHook(model='sequential")
+    assert "accumulation_steps=3, reduction='mean', installed=True, micro_steps=0" in repr(hook)

@@ -1,0 +1,38 @@
+"""The one place that knows which Keras is in use.
+
+Everything Keras-version specific lives here so that the accumulation logic
+in `hook.py` and `callback.py` is shared.
+"""
+
+import keras
+
+Callback = keras.callbacks.Callback
+unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
+
+
+def print_msg(message):
+    """Prints like Keras' own callbacks: to stdout, or to absl logging."""
+    if keras.config.is_interactive_logging_enabled():
+        print(message, flush=True)
+    else:
+        import absl.logging
+
+        absl.logging.info(message)
+
+
+def built_in_accumulation_steps(optimizer):
+    """Keras' own `gradient_accumulation_steps` of `optimizer`, or `None`.
+
+    Looks through `LossScaleOptimizer` to the optimizer it wraps.
+    """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not steps and inner is not None:
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+    return steps or None
+
+
+def is_compiled(model):
+    return bool(getattr(model, "compiled", False)) and (
+        getattr(model, "optimizer", None) is not None
+    )

@@ -1,0 +1,251 @@
+"""`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
+
+import difflib
+import warnings
+
+from tfaccum import _keras
+from tfaccum.hook import AccumulationHook
+from tfaccum.hook import check_reduction
+from tfaccum.schedule import AccumulationSchedule
+
+LEFTOVERS = ("flush", "carry", "drop")
+_COUNTERS = ("micro_steps", "optimizer_steps", "flushes", "dropped_micro_steps")
+
+
+def _check_leftover(leftover):
+    if leftover not in LEFTOVERS:
+        raise ValueError(
+            f"`leftover` must be one of {', '.join(map(repr, LEFTOVERS))}. "
+            f"Received: leftover={leftover!r}"
+        )
+    return leftover
+
+
+def _reject_unknown(kwargs, known):
+    if not kwargs:
+        return
+    hints = []
+    for name in kwargs:
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            hints.append(f"`{name}` (did you mean `{close[0]}`?)")
+        else:
+            hints.append(f"`{name}`")
+    raise TypeError(
+        "Unrecognized keyword arguments passed to "
+        f"GradientAccumulationCallback: {', '.join(hints)}. Accepted: "
+        f"{', '.join(known)}. Received: {kwargs!r}"
+    )
+
+
+class GradientAccumulationCallback(_keras.Callback):
+    """Trains with micro-batches as if the batch were `accumulation_steps` times larger.
+
+    At the start of `fit` the callback installs an accumulating step on the
+    model (see `AccumulationHook`): the gradients of `accumulation_steps`
+    consecutive micro-batches are summed and the optimizer updates once with
+    their normalised sum. `optimizer.iterations`, and with it every
+    learning-rate schedule, counts those updates. Metrics and the progress bar
+    still update every micro-batch. When `fit` ends the hook is removed and the
+    model is a plain Keras model again.
+
+    Args:
+        accumulation_steps: Micro-batches per optimizer update. An integer
+            >= 1; a dict `{epoch: steps}` whose value applies from that epoch
+            (0-based) on, with 1 before its smallest key, e.g. `{0: 8, 5: 4}`;
+            or a callable `epoch -> steps`, evaluated at each epoch's start.
+        reduction: How a window's gradients are combined. `"samples"` weights
+            each micro-batch by its number of samples, so a window is exactly
+            one large batch even when it ends with a smaller micro-batch.
+            `"mean"` weights micro-batches equally (Keras' built-in behaviour);
+            `"sum"` adds them without dividing (for losses reduced with
+            `"sum"`). Defaults to `"samples"`.
+        leftover: What happens to a window that is not full when an epoch
+            ends. `"flush"` applies it, normalised by what it holds, before
+            validation runs. `"carry"` keeps it for the next epoch and applies
+            what remains when `fit` ends. `"drop"` discards it and counts its
+            micro-batches in `dropped_micro_steps`. Defaults to `"flush"`.
+        verbose: `0` is silent; `1` prints, after each epoch, the micro-steps,
+            updates and leftover window of that epoch. Defaults to `0`.
+
+    Attributes (integers counted over the last `fit`):
+        micro_steps: Micro-batches trained on.
+        optimizer_steps: Optimizer updates made.
+        flushes: Partial windows applied at epoch or `fit` end.
+        dropped_micro_steps: Micro-batches discarded by `leftover="drop"`.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=3,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    # trained like batch_size=32
+    ```
+    """
+
+    def __init__(
+        self,
+        *,
+        accumulation_steps=None,
+        reduction="samples",
+        leftover="flush",
+        verbose=0,
+        **kwargs,
+    ):
+        _reject_unknown(
+            kwargs, ["accumulation_steps", "reduction", "leftover", "verbose"]
+        )
+        super().__init__()
+        self.schedule = AccumulationSchedule(accumulation_steps)
+        self.accumulation_steps = accumulation_steps
+        self.reduction = check_reduction(reduction)
+        self.leftover = _check_leftover(leftover)
+        if verbose not in (0, 1) or isinstance(verbose, float):
+            raise ValueError(
+                f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
+            )
+        self.verbose = int(verbose)
+        self.hook = None
+        self._final_counts = dict.fromkeys(_COUNTERS, 0)
+        self._epoch_open = False
+
+    # -- counters -------------------------------------------------------------
+
+    def _count(self, name):
+        if self.hook is not None:
+            return getattr(self.hook, name)
+        return self._final_counts[name]
+
+    @property
+    def micro_steps(self):
+        return self._count("micro_steps")
+
+    @property
+    def optimizer_steps(self):
+        return self._count("optimizer_steps")
+
+    @property
+    def flushes(self):
+        return self._count("flushes")
+
+    @property
+    def dropped_micro_steps(self):
+        return self._count("dropped_micro_steps")
+
+    def get_config(self):
+        return {
+            "accumulation_steps": self.accumulation_steps,
+            "reduction": self.reduction,
+            "leftover": self.leftover,
+            "verbose": self.verbose,
+        }
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"GradientAccumulationCallback({args})"
+
+    # -- fit lifecycle ----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        stale = AccumulationHook.installed_on(self.model)
+        if stale is not None:
+            window = stale.drop()
+            stale.remove()
+            warnings.warn(
+                "Removed the accumulation hook left on model "
+                f"{self.model.name!r} by an earlier `fit` that did not finish; "
+                f"discarded its {window.micro_batches} pending micro-batches "
+                f"({window.samples} samples).",
+                stacklevel=2,
+            )
+        self.hook = AccumulationHook(
+            self.model,
+            accumulation_steps=1,  # set from the schedule at each epoch start
+            reduction=self.reduction,
+        )
+        self._epoch_open = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        try:
+            steps = self.schedule(epoch)
+        except (TypeError, ValueError):
+            self._abandon()
+            raise
+        self.hook.set_accumulation_steps(steps)
+        self._epoch = epoch
+        if self.verbose:
+            self._epoch_start = (self.hook.micro_steps, self.hook.optimizer_steps)
+        self._epoch_open = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        # The last batch of an epoch of known length: end the window before
+        # any other callback's epoch-end work sees the weights.
+        steps = (self.params or {}).get("steps")
+        if self._epoch_open and steps and batch + 1 >= steps:
+            self._end_epoch()
+
+    def on_test_begin(self, logs=None):
+        # Validation inside `fit` starts after the epoch's last batch.
+        if self._epoch_open:
+            self._end_epoch()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._epoch_open:
+            self._end_epoch()
+
+    def on_train_end(self, logs=None):
+        if self.hook is None:
+            return
+        window = (
+            self.hook.drop() if self.leftover == "drop" else self.hook.flush()
+        )
+        if self.verbose and window.micro_batches:
+            action = "dropped" if self.leftover == "drop" else "flushed"
+            _keras.print_msg(
+                f"GradientAccumulationCallback: {action} "
+                f"{self._describe(window)} when fit ended."
+            )
+        self._final_counts = {name: self._count(name) for name in _COUNTERS}
+        self.hook.remove()
+        self.hook = None
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _end_epoch(self):
+        self._epoch_open = False
+        if self.leftover == "flush":
+            window = self.hook.flush()
+        elif self.leftover == "drop":
+            window = self.hook.drop()
+        else:
+            window = self.hook.pending
+        if self.verbose:
+            micro_start, updates_start = self._epoch_start
+            _keras.print_msg(
+                f"\nEpoch {self._epoch + 1}: "
+                f"{self.hook.micro_steps - micro_start} micro-steps, "
+                f"{self.hook.optimizer_steps - updates_start} optimizer updates "
+                f"(accumulation_steps={self.hook.accumulation_steps}); "
+                f"{self._describe_leftover(window)}."
+            )
+
+    def _describe_leftover(self, window):
+        if not window.micro_batches:
+            return "no partial window"
+        action = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
+        return f"{action[self.leftover]} {self._describe(window)}"
+
+    @staticmethod
+    def _describe(window):
+        return (
+            f"a partial window of {window.micro_batches} micro-batches "
+            f"({window.samples} samples)"
+        )
+
+    def _abandon(self):
+        """Removes the hook after an error that aborts `fit`."""
+        if self.hook is not None:
+            self.hook.drop()
+            self.hook.remove()
+            self.hook = None

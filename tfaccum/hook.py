@@ -1,0 +1,459 @@
+"""The accumulating train step, installed on and removed from a compiled model.
+
+`GradientAccumulationCallback` uses this for `fit`; it is public for loops
+that drive the model themselves (`train_on_batch`, or `fit` without the
+callback's epoch bookkeeping).
+"""
+
+import collections
+import warnings
+
+import tensorflow as tf
+
+from tfaccum import _keras
+
+REDUCTIONS = ("samples", "mean", "sum")
+
+Window = collections.namedtuple("Window", ["micro_batches", "samples"])
+Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
+
+_HOOK_ATTRIBUTE = "_tfaccum_hook"
+
+
+def check_reduction(reduction):
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"`reduction` must be one of {', '.join(map(repr, REDUCTIONS))}. "
+            f"Received: reduction={reduction!r}"
+        )
+    return reduction
+
+
+def _count_samples(data):
+    """Number of samples in a micro-batch, as an int64 scalar tensor."""
+    x, _, _ = _keras.unpack_x_y_sample_weight(data)
+    for leaf in tf.nest.flatten(x):
+        if leaf is None:
+            continue
+        if isinstance(leaf, tf.SparseTensor):
+            return tf.cast(leaf.dense_shape[0], tf.int64)
+        if isinstance(leaf, tf.RaggedTensor):
+            return tf.cast(leaf.nrows(), tf.int64)
+        return tf.shape(leaf, out_type=tf.int64)[0]
+    raise ValueError(
+        "Cannot count the samples of a micro-batch: its inputs `x` hold no "
+        f"tensor. Received: x={x!r}"
+    )
+
+
+def _accumulator_dtype(variable):
+    dtype = tf.as_dtype(variable.dtype)
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+class AccumulationHook:
+    """Makes a compiled model update its weights once per window of micro-batches.
+
+    Creating the hook installs it: the model's `train_step` gets wrapped so
+    that the gradients its optimizer receives are summed into accumulators,
+    and the optimizer is called once every `accumulation_steps` micro-batches
+    with their normalised sum. `remove()` restores the plain model. The model's
+    `train_step` (Keras' default, or an override) must apply its gradients
+    through `self.optimizer.apply_gradients()` or `self.optimizer.apply()`,
+    exactly once per step.
+
+    A window that is not full is kept until `flush()` (apply it now,
+    normalised by what it holds) or `drop()` (discard it). All per-step work
+    runs inside the model's compiled train function; counters are read from
+    the device only when you ask for them.
+
+    Args:
+        model: A compiled Keras model.
+        accumulation_steps: Integer >= 1, micro-batches per optimizer update.
+            Change it between steps with `set_accumulation_steps()`.
+        reduction: How the window's gradients are combined. `"samples"`
+            weights each micro-batch by its number of samples, so a window is
+            exactly one large batch even when its last micro-batch is short.
+            `"mean"` gives each micro-batch equal weight (Keras' own
+            accumulation), `"sum"` adds them without dividing. Defaults to
+            `"samples"`.
+
+    Example:
+
+    ```python
+    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
+    for x_batch, y_batch in micro_batches:
+        model.train_on_batch(x_batch, y_batch)
+    hook.flush()   # apply a partial last window
+    hook.remove()  # back to a plain Keras model
+    ```
+
+    It is also a context manager that flushes and removes itself on exit:
+
+    ```python
+    with tfaccum.install_accumulation_hook(model, accumulation_steps=4):
+        model.fit(x, y, batch_size=8, epochs=3)
+    ```
+    """
+
+    def __init__(self, model, *, accumulation_steps, reduction="samples"):
+        if not _keras.is_compiled(model):
+            raise ValueError(
+                "The model must be compiled before gradient accumulation can "
+                "be installed on it: call `model.compile(optimizer=..., "
+                f"loss=...)` first. Received: model={model.name!r} with "
+                f"optimizer={getattr(model, 'optimizer', None)!r}"
+            )
+        optimizer = model.optimizer
+        built_in = _keras.built_in_accumulation_steps(optimizer)
+        if built_in:
+            raise ValueError(
+                "The model's optimizer already accumulates gradients itself "
+                f"(gradient_accumulation_steps={built_in}); accumulating "
+                "again would multiply the window. Compile the model with an "
+                "optimizer without `gradient_accumulation_steps` and let "
+                "tfaccum accumulate. Received: "
+                f"{type(optimizer).__name__}(gradient_accumulation_steps="
+                f"{built_in})"
+            )
+        existing = AccumulationHook.installed_on(model)
+        if existing is not None:
+            raise ValueError(
+                f"Model {model.name!r} already has an accumulation hook "
+                f"installed ({existing!r}). Remove it first with "
+                "`hook.remove()` or `tfaccum.remove_accumulation_hook(model)`."
+            )
+        self.model = model
+        self.reduction = check_reduction(reduction)
+        self._optimizer = optimizer
+        self._accumulators = {}  # id(variable) -> accumulator variable
+        self._applied = None  # (variables, has_gradient) seen when tracing
+        self._flush_function = None
+        self._drop_function = None
+        with tf.init_scope():
+
+            def counter(name, dtype=tf.int64):
+                return tf.Variable(
+                    tf.zeros((), dtype), trainable=False, name=name
+                )
+
+            self._steps = counter("accumulation_steps")
+            self._window_micro_steps = counter("window_micro_steps")
+            self._window_samples = counter("window_samples")
+            self._window_weight = counter("window_weight", tf.float32)
+            self._micro_steps = counter("micro_steps")
+            self._optimizer_steps = counter("optimizer_steps")
+            self._flushes = counter("flushes")
+            self._dropped_micro_steps = counter("dropped_micro_steps")
+        self.set_accumulation_steps(accumulation_steps)
+        self._install()
+
+    # -- installation ---------------------------------------------------
+
+    @staticmethod
+    def installed_on(model):
+        """The hook installed on `model`, or `None`."""
+        return model.__dict__.get(_HOOK_ATTRIBUTE)
+
+    def _install(self):
+        model = self.model
+        self._had_own_train_step = "train_step" in model.__dict__
+        self._original_train_step = model.train_step
+        object.__setattr__(model, "train_step", self._train_step)
+        object.__setattr__(model, _HOOK_ATTRIBUTE, self)
+        model.make_train_function(force=True)
+        self.installed = True
+
+    def remove(self):
+        """Restores the plain model. Warns if a window was left pending."""
+        if not self.installed:
+            return
+        pending = self.pending
+        if pending.micro_batches:
+            warnings.warn(
+                f"Removing the accumulation hook discards {pending.micro_batches} "
+                f"micro-batches ({pending.samples} samples) that were never "
+                "applied. Call `hook.flush()` (or `hook.drop()`) before "
+                "`hook.remove()` to decide what happens to them.",
+                stacklevel=2,
+            )
+        self._uninstall()
+
+    def _uninstall(self):
+        model = self.model
+        object.__delattr__(model, "train_step")
+        if self._had_own_train_step:
+            object.__setattr__(model, "train_step", self._original_train_step)
+        object.__delattr__(model, _HOOK_ATTRIBUTE)
+        # The next `fit` (or `train_on_batch`) builds a plain train function.
+        model.train_function = None
+        self.installed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if exc_type is None:
+            self.flush()
+        else:
+            self.drop()
+        self.remove()
+        return False
+
+    # -- configuration ----------------------------------------------------
+
+    @property
+    def accumulation_steps(self):
+        return int(self._steps.numpy())
+
+    def set_accumulation_steps(self, accumulation_steps):
+        """Sets the window length used from the next micro-batch on."""
+        from tfaccum.schedule import check_steps
+
+        self._steps.assign(check_steps(accumulation_steps))
+
+    # -- counters -----------------------------------------------------------
+
+    @property
+    def micro_steps(self):
+        """Micro-batches accumulated since the hook was installed."""
+        return int(self._micro_steps.numpy())
+
+    @property
+    def optimizer_steps(self):
+        """Optimizer updates made since the hook was installed."""
+        return int(self._optimizer_steps.numpy())
+
+    @property
+    def flushes(self):
+        """Partial windows applied by `flush()`."""
+        return int(self._flushes.numpy())
+
+    @property
+    def dropped_micro_steps(self):
+        """Micro-batches discarded by `drop()`."""
+        return int(self._dropped_micro_steps.numpy())
+
+    @property
+    def pending(self):
+        """The `Window` accumulated but not yet applied."""
+        return Window(
+            int(self._window_micro_steps.numpy()),
+            int(self._window_samples.numpy()),
+        )
+
+    def __repr__(self):
+        return (
+            f"AccumulationHook(model={self.model.name!r}, "
+            f"accumulation_steps={self.accumulation_steps}, "
+            f"reduction={self.reduction!r}, installed={self.installed}, "
+            f"micro_steps={self.micro_steps}, "
+            f"optimizer_steps={self.optimizer_steps})"
+        )
+
+    # -- the per-step graph ---------------------------------------------------
+
+    def _train_step(self, data):
+        samples = _count_samples(data)
+        optimizer = self._optimizer
+        calls = []
+
+        def accumulating_apply(grads, trainable_variables=None):
+            if trainable_variables is None:
+                trainable_variables = optimizer._trainable_variables
+            calls.append(None)
+            self._accumulate(list(grads), list(trainable_variables), samples)
+
+        # Patched only while the step runs (in graph mode: while it traces).
+        object.__setattr__(optimizer, "apply", accumulating_apply)
+        try:
+            logs = self._original_train_step(data)
+        finally:
+            object.__delattr__(optimizer, "apply")
+        if len(calls) != 1:
+            self._uninstall()  # `fit` stops here; leave a plain model behind.
+            raise RuntimeError(
+                f"The `train_step` of model {self.model.name!r} applied "
+                f"gradients through `self.optimizer` {len(calls)} times in one "
+                "step. Gradient accumulation needs exactly one "
+                "`self.optimizer.apply_gradients(zip(grads, variables))` (or "
+                "`self.optimizer.apply(grads, variables)`) per step: that is "
+                "where the gradients are collected. A `train_step` that updates "
+                "weights another way, or with several optimizers, is not "
+                "supported."
+            )
+        return logs
+
+    def _accumulator(self, variable):
+        key = id(variable)
+        if key not in self._accumulators:
+            with tf.init_scope():
+                self._accumulators[key] = tf.Variable(
+                    tf.zeros(variable.shape, _accumulator_dtype(variable)),
+                    trainable=False,
+                    name="accumulated_gradient",
+                )
+        return self._accumulators[key]
+
+    def _accumulate(self, grads, variables, samples):
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"Received {len(grads)} gradients for {len(variables)} "
+                "variables in `optimizer.apply()`."
+            )
+        # Every update below waits for this micro-batch's data. Without that,
+        # when a dataset of unknown length runs out, the step's data-free
+        # counter updates can run before `get_next()` fails (Keras' own
+        # `optimizer.iterations` is incremented that way once per epoch).
+        data_ready = [samples] + [
+            grad.values if isinstance(grad, tf.IndexedSlices) else grad
+            for grad in grads
+            if grad is not None
+        ]
+        with tf.control_dependencies(data_ready):
+            self._add_to_window(grads, variables, samples)
+
+    def _add_to_window(self, grads, variables, samples):
+        if self.reduction == "samples":
+            weight = tf.cast(samples, tf.float32)
+        else:
+            weight = tf.constant(1.0, tf.float32)
+        for grad, variable in zip(grads, variables):
+            if grad is None:
+                continue
+            accumulator = self._accumulator(variable)
+            scale = tf.cast(weight, accumulator.dtype)
+            if isinstance(grad, tf.IndexedSlices):
+                accumulator.scatter_add(
+                    tf.IndexedSlices(
+                        tf.cast(grad.values, accumulator.dtype) * scale,
+                        grad.indices,
+                        grad.dense_shape,
+                    )
+                )
+            else:
+                accumulator.assign_add(tf.cast(grad, accumulator.dtype) * scale)
+        self._applied = (variables, [grad is not None for grad in grads])
+        self._window_micro_steps.assign_add(1)
+        self._window_samples.assign_add(samples)
+        self._window_weight.assign_add(weight)
+        self._micro_steps.assign_add(1)
+        tf.cond(
+            self._window_micro_steps.read_value() >= self._steps.read_value(),
+            self._apply_window,
+            lambda: tf.constant(False),
+        )
+
+    def _apply_window(self):
+        """Applies the normalised window through the optimizer, then resets."""
+        variables, has_gradient = self._applied
+        denominator = None
+        if self.reduction != "sum":
+            denominator = self._window_weight.read_value()
+        grads = []
+        for variable, present in zip(variables, has_gradient):
+            if not present:
+                grads.append(None)
+                continue
+            grad = self._accumulators[id(variable)].read_value()
+            if denominator is not None:
+                grad = grad / tf.cast(denominator, grad.dtype)
+            grads.append(tf.cast(grad, variable.dtype))
+        type(self._optimizer).apply(self._optimizer, grads, variables)
+        self._reset_window()
+        self._optimizer_steps.assign_add(1)
+        return tf.constant(True)
+
+    def _reset_window(self):
+        for accumulator in self._accumulators.values():
+            accumulator.assign(tf.zeros_like(accumulator))
+        self._window_micro_steps.assign(0)
+        self._window_samples.assign(0)
+        self._window_weight.assign(0.0)
+
+    # -- host-triggered window ends -----------------------------------------
+
+    def _compile(self, fn):
+        if self.model.run_eagerly:
+            return fn
+        return tf.function(fn, autograph=False)
+
+    def _flush_graph(self):
+        window = (
+            self._window_micro_steps.read_value(),
+            self._window_samples.read_value(),
+        )
+
+        def apply():
+            self._flushes.assign_add(1)
+            return self._apply_window()
+
+        tf.cond(window[0] > 0, apply, lambda: tf.constant(False))
+        return window
+
+    def _drop_graph(self):
+        window = (
+            self._window_micro_steps.read_value(),
+            self._window_samples.read_value(),
+        )
+        self._dropped_micro_steps.assign_add(window[0])
+        self._reset_window()
+        return window
+
+    def flush(self):
+        """Applies a partial window now, normalised by what it holds.
+
+        Returns:
+            The `Window` that was applied (`Window(0, 0)` if none was pending).
+        """
+        if self._applied is None:
+            return Window(0, 0)
+        if self._flush_function is None:
+            self._flush_function = self._compile(self._flush_graph)
+        micro_batches, samples = self._flush_function()
+        return Window(int(micro_batches), int(samples))
+
+    def drop(self):
+        """Discards a partial window; it is counted in `dropped_micro_steps`.
+
+        Returns:
+            The `Window` that was discarded.
+        """
+        if self._applied is None:
+            return Window(0, 0)
+        if self._drop_function is None:
+            self._drop_function = self._compile(self._drop_graph)
+        micro_batches, samples = self._drop_function()
+        return Window(int(micro_batches), int(samples))
+
+
+def install_accumulation_hook(model, *, accumulation_steps, reduction="samples"):
+    """Installs gradient accumulation on a compiled model and returns the hook.
+
+    See `AccumulationHook` for the arguments; `hook.remove()` undoes it.
+
+    Example:
+
+    ```python
+    with tfaccum.install_accumulation_hook(model, accumulation_steps=4):
+        model.fit(x, y, batch_size=8)  # updates once every 4 batches
+    ```
+    """
+    return AccumulationHook(
+        model, accumulation_steps=accumulation_steps, reduction=reduction
+    )
+
+
+def remove_accumulation_hook(model):
+    """Removes the accumulation hook from `model`, if one is installed.
+
+    Useful after `fit` was interrupted by an exception, which Keras does not
+    report to callbacks.
+
+    Returns:
+        The removed `AccumulationHook`, or `None` if none was installed.
+    """
+    hook = AccumulationHook.installed_on(model)
+    if hook is not None:
+        hook.remove()
+    return hook

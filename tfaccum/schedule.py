@@ -1,0 +1,101 @@
+"""`accumulation_steps` as a constant, a `{epoch: steps}` dict or a callable."""
+
+import numbers
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_steps(value, received=None):
+    """Returns `value` as an `int` >= 1, or raises saying what was received.
+
+    `received` describes where `value` came from; it defaults to
+    `accumulation_steps=<value>`.
+    """
+    received = received or f"accumulation_steps={value!r}"
+    if not _is_int(value):
+        raise TypeError(
+            "`accumulation_steps` must be an integer >= 1. "
+            f"Received: {received} (of type {type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(
+            f"`accumulation_steps` must be an integer >= 1. Received: {received}"
+        )
+    return int(value)
+
+
+class AccumulationSchedule:
+    """Resolves `accumulation_steps` to a number of micro-batches per epoch.
+
+    Args:
+        accumulation_steps: An integer >= 1 (the same every epoch); a dict
+            `{epoch: steps}` whose value applies from that epoch (0-based) on,
+            with 1 before its smallest key (as Lightning's
+            `GradientAccumulationScheduler`); or a callable `epoch -> steps`,
+            checked each time it is called.
+
+    Example:
+
+    >>> schedule = AccumulationSchedule({0: 8, 5: 4})
+    >>> schedule(0), schedule(4), schedule(5), schedule(100)
+    (8, 8, 4, 4)
+    """
+
+    def __init__(self, accumulation_steps):
+        self.accumulation_steps = accumulation_steps
+        if isinstance(accumulation_steps, dict):
+            if not accumulation_steps:
+                raise ValueError(
+                    "`accumulation_steps` must not be an empty dict. Pass "
+                    "`{epoch: steps}` pairs, e.g. {0: 8, 5: 4}. "
+                    "Received: accumulation_steps={}"
+                )
+            for epoch, steps in accumulation_steps.items():
+                if not _is_int(epoch) or epoch < 0:
+                    raise ValueError(
+                        "The keys of an `accumulation_steps` dict must be "
+                        "epochs (integers >= 0). Received: "
+                        f"accumulation_steps={accumulation_steps!r} with key "
+                        f"{epoch!r}"
+                    )
+                check_steps(
+                    steps,
+                    received=f"accumulation_steps={accumulation_steps!r} "
+                    f"with value {steps!r} for epoch {epoch!r}",
+                )
+            self._table = sorted(
+                (int(e), int(s)) for e, s in accumulation_steps.items()
+            )
+            self._resolve = self._lookup
+        elif callable(accumulation_steps):
+            self._resolve = self._call
+        else:
+            check_steps(accumulation_steps)
+            self._resolve = lambda epoch: int(accumulation_steps)
+
+    def __call__(self, epoch):
+        """Returns the number of micro-batches per update at `epoch`."""
+        return self._resolve(epoch)
+
+    @property
+    def is_constant(self):
+        return not callable(self.accumulation_steps) and not isinstance(
+            self.accumulation_steps, dict
+        )
+
+    def _lookup(self, epoch):
+        steps = 1
+        for start, value in self._table:
+            if start <= epoch:
+                steps = value
+        return steps
+
+    def _call(self, epoch):
+        steps = self.accumulation_steps(epoch)
+        return check_steps(
+            steps,
+            received=f"{steps!r}, returned by accumulation_steps({epoch}) "
+            "at the start of that epoch",
+        )
