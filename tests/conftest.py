@@ -5,6 +5,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Two logical CPUs, for tests with a two-replica MirroredStrategy. Must happen
+# before TensorFlow initialises its devices.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 2,
+)
 
 
 def make_data(n=100, features=5, seed=0):
@@ -59,6 +67,7 @@ OPTIMIZERS = {
     "adamw_clipnorm": lambda: keras.optimizers.AdamW(
         0.01, weight_decay=0.05, clipnorm=0.1
     ),
+    "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
 }
 
 

@@ -32,6 +32,11 @@ def built_in_accumulation_steps(optimizer):
     return steps or None
 
 
+def scales_loss_dynamically(optimizer):
+    """Whether `optimizer` is a `LossScaleOptimizer` (mixed precision)."""
+    return getattr(optimizer, "inner_optimizer", None) is not None
+
+
 def is_compiled(model):
     return bool(getattr(model, "compiled", False)) and (
         getattr(model, "optimizer", None) is not None

@@ -9,7 +9,6 @@ from tfaccum.hook import check_reduction
 from tfaccum.schedule import AccumulationSchedule
 
 LEFTOVERS = ("flush", "carry", "drop")
-_COUNTERS = ("micro_steps", "optimizer_steps", "flushes", "dropped_micro_steps")
 
 
 def _check_leftover(leftover):
@@ -106,16 +105,13 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
-        self.hook = None
-        self._final_counts = dict.fromkeys(_COUNTERS, 0)
+        self.hook = None  # kept after `fit` for its counters and compiled step
         self._epoch_open = False
 
     # -- counters -------------------------------------------------------------
 
     def _count(self, name):
-        if self.hook is not None:
-            return getattr(self.hook, name)
-        return self._final_counts[name]
+        return 0 if self.hook is None else getattr(self.hook, name)
 
     @property
     def micro_steps(self):
@@ -159,11 +155,15 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"({window.samples} samples).",
                 stacklevel=2,
             )
-        self.hook = AccumulationHook(
-            self.model,
-            accumulation_steps=1,  # set from the schedule at each epoch start
-            reduction=self.reduction,
-        )
+        hook = self.hook
+        if hook is not None and hook.model is self.model and hook.can_reinstall():
+            hook.reinstall()  # same model, same compile: no re-tracing
+        else:
+            self.hook = AccumulationHook(
+                self.model,
+                accumulation_steps=1,  # set from the schedule at each epoch start
+                reduction=self.reduction,
+            )
         self._epoch_open = False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -173,7 +173,6 @@ class GradientAccumulationCallback(_keras.Callback):
             self._abandon()
             raise
         self.hook.set_accumulation_steps(steps)
-        self._epoch = epoch
         if self.verbose:
             self._epoch_start = (self.hook.micro_steps, self.hook.optimizer_steps)
         self._epoch_open = True
@@ -193,9 +192,18 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_open:
             self._end_epoch()
+        if self.verbose:
+            micro_start, updates_start = self._epoch_start
+            _keras.print_msg(
+                f"Epoch {epoch + 1}: "
+                f"{self.hook.micro_steps - micro_start} micro-steps, "
+                f"{self.hook.optimizer_steps - updates_start} optimizer updates "
+                f"(accumulation_steps={self.hook.accumulation_steps}); "
+                f"{self._describe_leftover(self._leftover_window)}."
+            )
 
     def on_train_end(self, logs=None):
-        if self.hook is None:
+        if self.hook is None or not self.hook.installed:
             return
         window = (
             self.hook.drop() if self.leftover == "drop" else self.hook.flush()
@@ -206,29 +214,18 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"GradientAccumulationCallback: {action} "
                 f"{self._describe(window)} when fit ended."
             )
-        self._final_counts = {name: self._count(name) for name in _COUNTERS}
         self.hook.remove()
-        self.hook = None
 
     # -- helpers ----------------------------------------------------------------
 
     def _end_epoch(self):
         self._epoch_open = False
         if self.leftover == "flush":
-            window = self.hook.flush()
+            self._leftover_window = self.hook.flush()
         elif self.leftover == "drop":
-            window = self.hook.drop()
+            self._leftover_window = self.hook.drop()
         else:
-            window = self.hook.pending
-        if self.verbose:
-            micro_start, updates_start = self._epoch_start
-            _keras.print_msg(
-                f"\nEpoch {self._epoch + 1}: "
-                f"{self.hook.micro_steps - micro_start} micro-steps, "
-                f"{self.hook.optimizer_steps - updates_start} optimizer updates "
-                f"(accumulation_steps={self.hook.accumulation_steps}); "
-                f"{self._describe_leftover(window)}."
-            )
+            self._leftover_window = self.hook.pending
 
     def _describe_leftover(self, window):
         if not window.micro_batches:
@@ -245,7 +242,6 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _abandon(self):
         """Removes the hook after an error that aborts `fit`."""
-        if self.hook is not None:
+        if self.hook is not None and self.hook.installed:
             self.hook.drop()
             self.hook.remove()
-            self.hook = None

@@ -19,6 +19,27 @@ Window.__doc__ = """What an accumulation window held: micro-batches and samples.
 
 _HOOK_ATTRIBUTE = "_tfaccum_hook"
 
+# The layout of `AccumulationHook._counts`.
+_COUNTS = (
+    "window_micro_steps",
+    "window_samples",
+    "micro_steps",
+    "optimizer_steps",
+    "flushes",
+    "dropped_micro_steps",
+)
+_WINDOW_MICRO, _WINDOW_SAMPLES = 0, 1
+# What one micro-step adds: _MICRO_STEP + samples * _SAMPLE.
+_MICRO_STEP = (1, 0, 1, 0, 0, 0)
+_SAMPLE = (0, 1, 0, 0, 0, 0)
+
+
+def _count_delta(**deltas):
+    """An int64 vector adding `deltas` to the named counts."""
+    return tf.stack(
+        [tf.cast(deltas.get(name, 0), tf.int64) for name in _COUNTS]
+    )
+
 
 def check_reduction(reduction):
     if reduction not in REDUCTIONS:
@@ -116,6 +137,14 @@ class AccumulationHook:
                 f"{type(optimizer).__name__}(gradient_accumulation_steps="
                 f"{built_in})"
             )
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        if replicas > 1:
+            raise ValueError(
+                "Gradient accumulation under a `tf.distribute` strategy with "
+                "several replicas is not supported yet. Received: model "
+                f"{model.name!r} under {type(model.distribute_strategy).__name__} "
+                f"with {replicas} replicas. Train on one device for now."
+            )
         existing = AccumulationHook.installed_on(model)
         if existing is not None:
             raise ValueError(
@@ -128,24 +157,19 @@ class AccumulationHook:
         self._optimizer = optimizer
         self._accumulators = {}  # id(variable) -> accumulator variable
         self._applied = None  # (variables, has_gradient) seen when tracing
+        self._train_function = None
         self._flush_function = None
         self._drop_function = None
         with tf.init_scope():
-
-            def counter(name, dtype=tf.int64):
-                return tf.Variable(
-                    tf.zeros((), dtype), trainable=False, name=name
-                )
-
-            self._steps = counter("accumulation_steps")
-            self._window_micro_steps = counter("window_micro_steps")
-            self._window_samples = counter("window_samples")
-            self._window_weight = counter("window_weight", tf.float32)
-            self._micro_steps = counter("micro_steps")
-            self._optimizer_steps = counter("optimizer_steps")
-            self._flushes = counter("flushes")
-            self._dropped_micro_steps = counter("dropped_micro_steps")
+            self._steps = tf.Variable(
+                tf.ones((), tf.int64), trainable=False, name="accumulation_steps"
+            )
+            # One vector, so that a micro-step updates all it counts at once.
+            self._counts = tf.Variable(
+                tf.zeros((len(_COUNTS),), tf.int64), trainable=False, name="counts"
+            )
         self.set_accumulation_steps(accumulation_steps)
+        self.installed = False
         self._install()
 
     # -- installation ---------------------------------------------------
@@ -155,14 +179,58 @@ class AccumulationHook:
         """The hook installed on `model`, or `None`."""
         return model.__dict__.get(_HOOK_ATTRIBUTE)
 
+    def _compiled_state(self):
+        """What the compiled train function depends on, besides this hook."""
+        model = self.model
+        return (
+            model.optimizer,
+            getattr(model, "_compile_config", None),
+            model.steps_per_execution,
+            model.jit_compile,
+            model.run_eagerly,
+            tuple(id(v) for v in model.trainable_variables),
+        )
+
     def _install(self):
         model = self.model
         self._had_own_train_step = "train_step" in model.__dict__
         self._original_train_step = model.train_step
         object.__setattr__(model, "train_step", self._train_step)
         object.__setattr__(model, _HOOK_ATTRIBUTE, self)
-        model.make_train_function(force=True)
+        if self._train_function is None:
+            model.make_train_function(force=True)
+            self._train_function = model.train_function
+            self._compiled_for = self._compiled_state()
+        else:
+            model.train_function = self._train_function
         self.installed = True
+
+    def can_reinstall(self):
+        """Whether `reinstall()` can reuse this hook's compiled step.
+
+        True unless the hook is installed, the model was compiled again, or
+        its trainable variables or execution settings changed since.
+        """
+        if self.installed or AccumulationHook.installed_on(self.model):
+            return False
+        current = self._compiled_state()
+        return all(a is b or a == b for a, b in zip(current, self._compiled_for))
+
+    def reinstall(self):
+        """Installs this hook again with zeroed counters, reusing its traced step.
+
+        Saves re-tracing the train function when the same model is fitted
+        again (for example `fit` called once per epoch).
+        """
+        if not self.can_reinstall():
+            raise ValueError(
+                "This hook cannot be reinstalled: it is installed, or the "
+                f"model {self.model.name!r} was recompiled or changed since. "
+                "Create a new one with `tfaccum.install_accumulation_hook()`."
+            )
+        self._reset_window()
+        self._counts.assign(tf.zeros_like(self._counts))
+        self._install()
 
     def remove(self):
         """Restores the plain model. Warns if a window was left pending."""
@@ -214,33 +282,34 @@ class AccumulationHook:
 
     # -- counters -----------------------------------------------------------
 
+    def _read(self, name):
+        return int(self._counts[_COUNTS.index(name)].numpy())
+
     @property
     def micro_steps(self):
         """Micro-batches accumulated since the hook was installed."""
-        return int(self._micro_steps.numpy())
+        return self._read("micro_steps")
 
     @property
     def optimizer_steps(self):
         """Optimizer updates made since the hook was installed."""
-        return int(self._optimizer_steps.numpy())
+        return self._read("optimizer_steps")
 
     @property
     def flushes(self):
         """Partial windows applied by `flush()`."""
-        return int(self._flushes.numpy())
+        return self._read("flushes")
 
     @property
     def dropped_micro_steps(self):
         """Micro-batches discarded by `drop()`."""
-        return int(self._dropped_micro_steps.numpy())
+        return self._read("dropped_micro_steps")
 
     @property
     def pending(self):
         """The `Window` accumulated but not yet applied."""
-        return Window(
-            int(self._window_micro_steps.numpy()),
-            int(self._window_samples.numpy()),
-        )
+        counts = self._counts.numpy()
+        return Window(int(counts[_WINDOW_MICRO]), int(counts[_WINDOW_SAMPLES]))
 
     def __repr__(self):
         return (
@@ -256,31 +325,49 @@ class AccumulationHook:
     def _train_step(self, data):
         samples = _count_samples(data)
         optimizer = self._optimizer
-        calls = []
+        applies, scales = [], []
 
         def accumulating_apply(grads, trainable_variables=None):
             if trainable_variables is None:
                 trainable_variables = optimizer._trainable_variables
-            calls.append(None)
-            self._accumulate(list(grads), list(trainable_variables), samples)
+            applies.append(None)
+            self._accumulate(
+                list(grads), list(trainable_variables), samples, bool(scales)
+            )
+
+        def sample_weighting_scale_loss(loss):
+            # Weighting the loss by the sample count weights every gradient
+            # at once: cheaper than scaling each accumulated gradient.
+            scales.append(None)
+            loss = original_scale_loss(loss)
+            return loss * tf.cast(samples, loss.dtype)
 
         # Patched only while the step runs (in graph mode: while it traces).
-        object.__setattr__(optimizer, "apply", accumulating_apply)
+        patches = {"apply": accumulating_apply}
+        if self.reduction == "samples" and not _keras.scales_loss_dynamically(
+            optimizer
+        ):
+            original_scale_loss = optimizer.scale_loss
+            patches["scale_loss"] = sample_weighting_scale_loss
+        for name, patch in patches.items():
+            object.__setattr__(optimizer, name, patch)
         try:
             logs = self._original_train_step(data)
         finally:
-            object.__delattr__(optimizer, "apply")
-        if len(calls) != 1:
+            for name in patches:
+                object.__delattr__(optimizer, name)
+        if len(applies) != 1 or len(scales) > 1:
             self._uninstall()  # `fit` stops here; leave a plain model behind.
             raise RuntimeError(
                 f"The `train_step` of model {self.model.name!r} applied "
-                f"gradients through `self.optimizer` {len(calls)} times in one "
-                "step. Gradient accumulation needs exactly one "
+                f"gradients through `self.optimizer` {len(applies)} times "
+                f"(and called `self.optimizer.scale_loss()` {len(scales)} "
+                "times) in one step. Gradient accumulation needs exactly one "
                 "`self.optimizer.apply_gradients(zip(grads, variables))` (or "
-                "`self.optimizer.apply(grads, variables)`) per step: that is "
-                "where the gradients are collected. A `train_step` that updates "
-                "weights another way, or with several optimizers, is not "
-                "supported."
+                "`self.optimizer.apply(grads, variables)`) per step, and at "
+                "most one `scale_loss()`: that is where the gradients are "
+                "collected. A `train_step` that updates weights another way, "
+                "or with several optimizers, is not supported."
             )
         return logs
 
@@ -295,61 +382,62 @@ class AccumulationHook:
                 )
         return self._accumulators[key]
 
-    def _accumulate(self, grads, variables, samples):
+    def _accumulate(self, grads, variables, samples, weighted_by_loss):
         if len(grads) != len(variables):
             raise ValueError(
                 f"Received {len(grads)} gradients for {len(variables)} "
                 "variables in `optimizer.apply()`."
             )
-        # Every update below waits for this micro-batch's data. Without that,
-        # when a dataset of unknown length runs out, the step's data-free
-        # counter updates can run before `get_next()` fails (Keras' own
-        # `optimizer.iterations` is incremented that way once per epoch).
-        data_ready = [samples] + [
-            grad.values if isinstance(grad, tf.IndexedSlices) else grad
-            for grad in grads
-            if grad is not None
-        ]
-        with tf.control_dependencies(data_ready):
-            self._add_to_window(grads, variables, samples)
-
-    def _add_to_window(self, grads, variables, samples):
-        if self.reduction == "samples":
-            weight = tf.cast(samples, tf.float32)
-        else:
-            weight = tf.constant(1.0, tf.float32)
+        weighted = self.reduction == "samples" and not weighted_by_loss
+        scales = {}  # dtype -> -samples, computed once per step
         for grad, variable in zip(grads, variables):
             if grad is None:
                 continue
             accumulator = self._accumulator(variable)
-            scale = tf.cast(weight, accumulator.dtype)
+            dtype = accumulator.dtype
+            if weighted and dtype not in scales:
+                scales[dtype] = -tf.cast(samples, dtype)
             if isinstance(grad, tf.IndexedSlices):
+                values = tf.cast(grad.values, dtype)
+                if weighted:
+                    values = values * -scales[dtype]
                 accumulator.scatter_add(
-                    tf.IndexedSlices(
-                        tf.cast(grad.values, accumulator.dtype) * scale,
-                        grad.indices,
-                        grad.dense_shape,
-                    )
+                    tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+                )
+            elif weighted:
+                # accumulator -= (-samples) * grad, in one fused kernel.
+                tf.raw_ops.ResourceApplyGradientDescent(
+                    var=accumulator.handle,
+                    alpha=scales[dtype],
+                    delta=tf.cast(grad, dtype),
                 )
             else:
-                accumulator.assign_add(tf.cast(grad, accumulator.dtype) * scale)
+                accumulator.assign_add(tf.cast(grad, dtype))
         self._applied = (variables, [grad is not None for grad in grads])
-        self._window_micro_steps.assign_add(1)
-        self._window_samples.assign_add(samples)
-        self._window_weight.assign_add(weight)
-        self._micro_steps.assign_add(1)
+        # This update depends on `samples`, so on the micro-batch's data: when
+        # a dataset of unknown length runs out, it cannot run before
+        # `get_next()` fails (Keras' own `optimizer.iterations` can, and
+        # counts a phantom step per epoch that way).
+        self._counts.assign_add(
+            tf.constant(_MICRO_STEP, tf.int64)
+            + samples * tf.constant(_SAMPLE, tf.int64)
+        )
         tf.cond(
-            self._window_micro_steps.read_value() >= self._steps.read_value(),
+            self._counts[_WINDOW_MICRO] >= self._steps,
             self._apply_window,
             lambda: tf.constant(False),
         )
 
-    def _apply_window(self):
+    def _apply_window(self, **extra_counts):
         """Applies the normalised window through the optimizer, then resets."""
         variables, has_gradient = self._applied
-        denominator = None
-        if self.reduction != "sum":
-            denominator = self._window_weight.read_value()
+        window = self._counts.read_value()[:2]
+        if self.reduction == "samples":
+            denominator = window[_WINDOW_SAMPLES]
+        elif self.reduction == "mean":
+            denominator = window[_WINDOW_MICRO]
+        else:
+            denominator = None
         grads = []
         for variable, present in zip(variables, has_gradient):
             if not present:
@@ -360,16 +448,22 @@ class AccumulationHook:
                 grad = grad / tf.cast(denominator, grad.dtype)
             grads.append(tf.cast(grad, variable.dtype))
         type(self._optimizer).apply(self._optimizer, grads, variables)
-        self._reset_window()
-        self._optimizer_steps.assign_add(1)
+        self._reset_window(window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
-    def _reset_window(self):
+    def _reset_window(self, window=None, **extra_counts):
+        """Zeroes the accumulators and takes `window` off the window counts."""
         for accumulator in self._accumulators.values():
             accumulator.assign(tf.zeros_like(accumulator))
-        self._window_micro_steps.assign(0)
-        self._window_samples.assign(0)
-        self._window_weight.assign(0.0)
+        if window is None:
+            window = self._counts.read_value()[:2]
+        self._counts.assign_add(
+            _count_delta(
+                window_micro_steps=-window[_WINDOW_MICRO],
+                window_samples=-window[_WINDOW_SAMPLES],
+                **extra_counts,
+            )
+        )
 
     # -- host-triggered window ends -----------------------------------------
 
@@ -379,25 +473,17 @@ class AccumulationHook:
         return tf.function(fn, autograph=False)
 
     def _flush_graph(self):
-        window = (
-            self._window_micro_steps.read_value(),
-            self._window_samples.read_value(),
+        window = self._counts.read_value()[:2]
+        tf.cond(
+            window[_WINDOW_MICRO] > 0,
+            lambda: self._apply_window(flushes=1),
+            lambda: tf.constant(False),
         )
-
-        def apply():
-            self._flushes.assign_add(1)
-            return self._apply_window()
-
-        tf.cond(window[0] > 0, apply, lambda: tf.constant(False))
         return window
 
     def _drop_graph(self):
-        window = (
-            self._window_micro_steps.read_value(),
-            self._window_samples.read_value(),
-        )
-        self._dropped_micro_steps.assign_add(window[0])
-        self._reset_window()
+        window = self._counts.read_value()[:2]
+        self._reset_window(window, dropped_micro_steps=window[_WINDOW_MICRO])
         return window
 
     def flush(self):

@@ -1,0 +1,41 @@
+"""The example and the benchmark scripts run and report what they claim."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script, *args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, str(ROOT / script), *args], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_quickstart_matches_the_large_batch():
+    out = run("examples/quickstart.py", "--epochs", "1")
+    difference = float(re.search(r"largest weight difference: (\S+)", out).group(1))
+    assert difference < 1e-5
+    assert re.search(r"optimizer updates\s+22\s+22", out)
+
+
+def test_exactness_benchmark_table():
+    out = run("benchmarks/exactness.py", "--epochs", "1")
+    rows = [line.split("|")[1:-1] for line in out.splitlines()
+            if line.startswith("| ") and "optimizer" not in line]
+    assert len(rows) == 5
+    for name, ours, builtin, plain in rows:
+        assert float(ours) < 1e-5, name
+        assert float(plain) > 1e-3, name
+
+
+def test_throughput_benchmark_table():
+    out = run("benchmarks/throughput.py", "--rounds", "1", "--samples", "256",
+              "--width", "32", "--no-memory")
+    variants = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert variants == ["tfaccum", "keras", "micro", "large"]
