@@ -17,6 +17,21 @@ TOL = 1e-5
 MICRO, STEPS, EPOCHS = 8, 4, 3
 
 
+class WeightRecorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch_end_weights = []
+        self.batch_kernels = []
+        self.batch_logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_kernels.append(np.array(self.model.layers[0].kernel))
+        self.batch_logs.append(dict(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_end_weights.append(self.model.get_weights())
+
+
 def fit_pair(kind="sequential", optimizer="sgd", sample_weight=None,
              fit_kwargs=None, compile_kwargs=None, callback_kwargs=None,
              data=None, micro=MICRO, steps=STEPS, epochs=EPOCHS):
@@ -37,12 +52,23 @@ def fit_pair(kind="sequential", optimizer="sgd", sample_weight=None,
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
-def test_accumulated_equals_large_batch(optimizer, weighted):
-    sample_weight = None
-    if weighted:
-        sample_weight = np.linspace(0.1, 2.0, 100).astype("float32")
-    reference, model, callback, _ = fit_pair(optimizer=optimizer,
-                                             sample_weight=sample_weight)
+def test_accumulated_equals_large_batch_step_for_step(optimizer, weighted):
+    x, y = make_data()
+    sample_weight = np.linspace(0.1, 2.0, 100).astype("float32") if weighted else None
+    fit = dict(epochs=EPOCHS, shuffle=False, verbose=0, sample_weight=sample_weight)
+    reference, ref_recorder = make_model(optimizer=optimizer), WeightRecorder()
+    reference.fit(x, y, batch_size=32, callbacks=[ref_recorder], **fit)
+    model, recorder = make_model(optimizer=optimizer), WeightRecorder()
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    model.fit(x, y, batch_size=8, callbacks=[callback, recorder], **fit)
+
+    # After every update: micro-batches 4, 8, 12 of each epoch and the flush
+    # of the 13th (our callback runs first, so the recorder sees it).
+    after_updates = [kernel for i, kernel in enumerate(recorder.batch_kernels)
+                     if i % 13 in (3, 7, 11, 12)]
+    assert len(after_updates) == len(ref_recorder.batch_kernels) == 4 * EPOCHS
+    for step, (ours, theirs) in enumerate(zip(after_updates, ref_recorder.batch_kernels)):
+        np.testing.assert_allclose(ours, theirs, atol=TOL, err_msg=f"update {step + 1}")
     assert max_weight_diff(reference, model) < TOL
     # The comparison is meaningful: training moved the weights.
     assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
@@ -130,21 +156,6 @@ def test_flush_happens_before_validation():
     np.testing.assert_allclose(history.history["val_loss"],
                                ref_history["val_loss"], rtol=1e-5)
     assert max_weight_diff(reference, model) < TOL
-
-
-class WeightRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch_end_weights = []
-        self.batch_kernels = []
-        self.batch_logs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batch_kernels.append(np.array(self.model.layers[0].kernel))
-        self.batch_logs.append(dict(logs))
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_end_weights.append(self.model.get_weights())
 
 
 def test_flush_before_earlier_callbacks_see_epoch_end():
@@ -355,3 +366,45 @@ def test_no_host_reads_on_inner_batches(monkeypatch):
     # A flush per epoch end and at fit end, and the pending check of
     # `remove()`: nothing per micro-batch.
     assert reads == ["flush"] * 4 + ["pending"]
+
+
+class DenseGradientModel(keras.Sequential):
+    """Applies embedding gradients densely: the mathematically exact large batch.
+
+    Keras 3's Adam squares `IndexedSlices` values before summing rows that
+    repeat, so with repeated tokens plain large-batch training is not the
+    dense-gradient result; SGD and momentum are linear and unaffected.
+    """
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply([tf.convert_to_tensor(g) for g in grads], self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_embedding_gradients_accumulate_exactly(optimizer):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=(100, 6))
+    y = rng.normal(size=(100, 1)).astype("float32")
+
+    def build(cls):
+        keras.utils.set_random_seed(2)
+        model = cls([
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(50, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+        return model
+
+    reference = build(keras.Sequential if optimizer == "sgd_momentum" else DenseGradientModel)
+    reference.fit(tokens, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = build(keras.Sequential)
+    model.fit(tokens, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert max_weight_diff(reference, model) < TOL
