@@ -26,6 +26,16 @@ def linear_model():
 MICRO_BATCHES = [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0]]
 
 
+def train_on(model, micro_batches):
+    """Trains on each micro-batch; returns the kernel w after each."""
+    kernels = []
+    for values in micro_batches:
+        x = np.array(values, "float32")[:, None]
+        model.train_on_batch(x, np.zeros_like(x))
+        kernels.append(float(model.layers[0].kernel[0, 0]))
+    return kernels
+
+
 @pytest.mark.parametrize(
     "reduction, expected_gradient",
     [("samples", (2 * 1 + 2 * 2 + 2 * 3 + 1 * 4) / 7), ("mean", 2.5), ("sum", 10.0)],
@@ -33,11 +43,7 @@ MICRO_BATCHES = [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0]]
 def test_reductions_by_hand(reduction, expected_gradient):
     model = linear_model()
     hook = install_accumulation_hook(model, accumulation_steps=4, reduction=reduction)
-    kernels = []
-    for values in MICRO_BATCHES:
-        x = np.array(values, "float32")[:, None]
-        model.train_on_batch(x, np.zeros_like(x))
-        kernels.append(float(model.layers[0].kernel[0, 0]))
+    kernels = train_on(model, MICRO_BATCHES)
     # Weights do not move until the window is full; then w = 0 - 1.0 * gradient.
     assert kernels[:3] == [0.0, 0.0, 0.0]
     assert kernels[3] == pytest.approx(-expected_gradient, rel=1e-6)
@@ -48,9 +54,7 @@ def test_reductions_by_hand(reduction, expected_gradient):
 def test_flush_normalises_by_what_the_window_holds():
     model = linear_model()
     hook = install_accumulation_hook(model, accumulation_steps=4)
-    for values in MICRO_BATCHES[:3]:
-        x = np.array(values, "float32")[:, None]
-        model.train_on_batch(x, np.zeros_like(x))
+    train_on(model, MICRO_BATCHES[:3])
     assert hook.pending == tfaccum.Window(micro_batches=3, samples=6)
     assert hook.flush() == tfaccum.Window(3, 6)
     assert float(model.layers[0].kernel[0, 0]) == pytest.approx(-2.0)  # mean of 1, 2, 3
@@ -63,9 +67,7 @@ def test_flush_normalises_by_what_the_window_holds():
 def test_drop_discards_and_counts():
     model = linear_model()
     hook = install_accumulation_hook(model, accumulation_steps=4)
-    for values in MICRO_BATCHES[:2]:
-        x = np.array(values, "float32")[:, None]
-        model.train_on_batch(x, np.zeros_like(x))
+    train_on(model, MICRO_BATCHES[:2])
     assert hook.drop() == tfaccum.Window(2, 4)
     assert hook.dropped_micro_steps == 2
     assert float(model.layers[0].kernel[0, 0]) == 0.0
@@ -88,7 +90,7 @@ def test_context_manager_flushes_and_removes():
 def test_removing_with_a_pending_window_warns():
     model = linear_model()
     hook = install_accumulation_hook(model, accumulation_steps=4)
-    model.train_on_batch(np.ones((2, 1), "float32"), np.zeros((2, 1), "float32"))
+    train_on(model, MICRO_BATCHES[:1])
     with pytest.warns(UserWarning, match=r"discards 1 micro-batches \(2 samples\)"):
         hook.remove()
 
