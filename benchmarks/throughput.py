@@ -8,6 +8,7 @@ median over rounds, after one warm-up epoch per variant (tracing).
 
 Variants:
   tfaccum      batch B, GradientAccumulationCallback(accumulation_steps=N)
+  tfaccum+log_dir  the same, writing Accumulation summaries to a temporary dir
   keras        batch B, optimizer(gradient_accumulation_steps=N)
   micro        batch B, no accumulation (N times more optimizer updates)
   large        batch N*B, no accumulation (what accumulation emulates)
@@ -24,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -34,7 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
-VARIANTS = ("tfaccum", "keras", "micro", "large")
+VARIANTS = ("tfaccum", "tfaccum+log_dir", "keras", "micro", "large")
 
 
 def load_data(samples):
@@ -58,8 +60,9 @@ def build(variant, args):
                   loss="sparse_categorical_crossentropy")
     batch_size = args.micro_batch * (args.steps if variant == "large" else 1)
     callbacks = []
-    if variant == "tfaccum":
-        callbacks.append(GradientAccumulationCallback(accumulation_steps=args.steps))
+    if variant.startswith("tfaccum"):
+        log_dir = tempfile.mkdtemp(prefix="tfaccum-bench-") if "log_dir" in variant else None
+        callbacks.append(GradientAccumulationCallback(accumulation_steps=args.steps, log_dir=log_dir))
     return model, batch_size, callbacks
 
 
@@ -146,6 +149,7 @@ def main():
         print(f"| {variant} | {seconds[variant]:.3f} | "
               f"{seconds[variant] / seconds['keras']:.2f} | "
               f"{seconds[variant] / seconds['micro']:.2f} | {mem} |")
+    print(f"\nlog_dir cost: {seconds['tfaccum+log_dir'] / seconds['tfaccum']:.3f}x tfaccum without it")
 
 
 if __name__ == "__main__":

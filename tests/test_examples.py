@@ -38,4 +38,5 @@ def test_throughput_benchmark_table():
     out = run("benchmarks/throughput.py", "--rounds", "1", "--samples", "256",
               "--width", "32", "--no-memory")
     variants = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert variants == ["tfaccum", "keras", "micro", "large"]
+    assert variants == ["tfaccum", "tfaccum+log_dir", "keras", "micro", "large"]
+    assert "log_dir cost:" in out

@@ -5,6 +5,7 @@ in `hook.py` and `callback.py` is shared.
 """
 
 import keras
+import tensorflow as tf
 
 Callback = keras.callbacks.Callback
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
@@ -35,6 +36,16 @@ def built_in_accumulation_steps(optimizer):
 def scales_loss_dynamically(optimizer):
     """Whether `optimizer` is a `LossScaleOptimizer` (mixed precision)."""
     return getattr(optimizer, "inner_optimizer", None) is not None
+
+
+def loss_scale(optimizer):
+    """What `optimizer.scale_loss()` multiplies the loss (and gradients) by now.
+
+    A float32 tensor, read when called.
+    """
+    if scales_loss_dynamically(optimizer):
+        return tf.cast(optimizer.dynamic_scale.value, tf.float32)
+    return tf.constant(getattr(optimizer, "loss_scale_factor", None) or 1.0, tf.float32)
 
 
 def is_compiled(model):

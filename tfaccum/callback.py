@@ -1,14 +1,17 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
 import difflib
+import os
 import warnings
 
 from tfaccum import _keras
 from tfaccum.hook import AccumulationHook
 from tfaccum.hook import check_reduction
 from tfaccum.schedule import AccumulationSchedule
+from tfaccum.summary import AccumulationSummaries
 
 LEFTOVERS = ("flush", "carry", "drop")
+_PAST = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
 
 
 def _check_leftover(leftover):
@@ -66,6 +69,14 @@ class GradientAccumulationCallback(_keras.Callback):
             micro-batches in `dropped_micro_steps`. Defaults to `"flush"`.
         verbose: `0` is silent; `1` prints, after each epoch, the micro-steps,
             updates and leftover window of that epoch. Defaults to `0`.
+        log_dir: Directory for TensorBoard summaries of every optimizer
+            update and leftover event, shown in the "Accumulation" tab
+            (`tensorboard --logdir <parent>`). Defaults to `None` (no
+            summaries).
+        scalars: With `log_dir`, also write the applied gradient norm as a
+            plain scalar (`accumulation/gradient_norm`) for the Scalars and
+            Time Series tabs. Defaults to `False`: the Accumulation tab
+            already shows it, and those tabs stay for your own metrics.
 
     Attributes (integers counted over the last `fit`):
         micro_steps: Micro-batches trained on.
@@ -90,10 +101,13 @@ class GradientAccumulationCallback(_keras.Callback):
         reduction="samples",
         leftover="flush",
         verbose=0,
+        log_dir=None,
+        scalars=False,
         **kwargs,
     ):
         _reject_unknown(
-            kwargs, ["accumulation_steps", "reduction", "leftover", "verbose"]
+            kwargs,
+            ["accumulation_steps", "reduction", "leftover", "verbose", "log_dir", "scalars"],
         )
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)
@@ -105,6 +119,23 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (str or os.PathLike) or None. "
+                f"Received: log_dir={log_dir!r}"
+            )
+        if not isinstance(scalars, bool):
+            raise TypeError(
+                f"`scalars` must be True or False. Received: scalars={scalars!r}"
+            )
+        if scalars and log_dir is None:
+            raise ValueError(
+                "`scalars=True` writes to `log_dir`: pass a `log_dir` too. "
+                "Received: log_dir=None"
+            )
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.scalars = scalars
+        self.summaries = None  # created at the first fit with a log_dir
         self.hook = None  # kept after `fit` for its counters and compiled step
         self._epoch_open = False
 
@@ -135,6 +166,8 @@ class GradientAccumulationCallback(_keras.Callback):
             "reduction": self.reduction,
             "leftover": self.leftover,
             "verbose": self.verbose,
+            "log_dir": self.log_dir,
+            "scalars": self.scalars,
         }
 
     def __repr__(self):
@@ -159,12 +192,18 @@ class GradientAccumulationCallback(_keras.Callback):
         if hook is not None and hook.model is self.model and hook.can_reinstall():
             hook.reinstall()  # same model, same compile: no re-tracing
         else:
+            if self.log_dir is not None:
+                self.summaries = AccumulationSummaries(
+                    self.log_dir, scalars=self.scalars
+                )
             self.hook = AccumulationHook(
                 self.model,
                 accumulation_steps=1,  # set from the schedule at each epoch start
                 reduction=self.reduction,
+                summaries=self.summaries,
             )
         self._epoch_open = False
+        self._unwritten_micro_steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         try:
@@ -173,11 +212,21 @@ class GradientAccumulationCallback(_keras.Callback):
             self._abandon()
             raise
         self.hook.set_accumulation_steps(steps)
+        self._last_batch = -1
         if self.verbose:
             self._epoch_start = (self.hook.micro_steps, self.hook.optimizer_steps)
         self._epoch_open = True
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.summaries is not None:
+            # Write before the device buffer can fill (an update per
+            # micro-step at most); counted here, never read from the device.
+            self._unwritten_micro_steps += batch - self._last_batch
+            self._last_batch = batch
+            headroom = self.summaries.capacity - self.model.steps_per_execution
+            if self._unwritten_micro_steps >= headroom:
+                self.summaries.write()
+                self._unwritten_micro_steps = 0
         # The last batch of an epoch of known length: end the window before
         # any other callback's epoch-end work sees the weights.
         steps = (self.params or {}).get("steps")
@@ -192,6 +241,9 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_open:
             self._end_epoch()
+        if self.summaries is not None:
+            self.summaries.flush()
+            self._unwritten_micro_steps = 0
         if self.verbose:
             micro_start, updates_start = self._epoch_start
             _keras.print_msg(
@@ -208,10 +260,13 @@ class GradientAccumulationCallback(_keras.Callback):
         window = (
             self.hook.drop() if self.leftover == "drop" else self.hook.flush()
         )
+        action = "drop" if self.leftover == "drop" else "flush"
+        self._log_leftover(action, window)
+        if self.summaries is not None:
+            self.summaries.flush()
         if self.verbose and window.micro_batches:
-            action = "dropped" if self.leftover == "drop" else "flushed"
             _keras.print_msg(
-                f"GradientAccumulationCallback: {action} "
+                f"GradientAccumulationCallback: {_PAST[action]} "
                 f"{self._describe(window)} when fit ended."
             )
         self.hook.remove()
@@ -226,12 +281,18 @@ class GradientAccumulationCallback(_keras.Callback):
             self._leftover_window = self.hook.drop()
         else:
             self._leftover_window = self.hook.pending
+        self._log_leftover(self.leftover, self._leftover_window)
+
+    def _log_leftover(self, policy, window):
+        if self.summaries is not None and window.micro_batches:
+            self.summaries.write_leftover(
+                int(self.model.optimizer.iterations), policy, window
+            )
 
     def _describe_leftover(self, window):
         if not window.micro_batches:
             return "no partial window"
-        action = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
-        return f"{action[self.leftover]} {self._describe(window)}"
+        return f"{_PAST[self.leftover]} {self._describe(window)}"
 
     @staticmethod
     def _describe(window):

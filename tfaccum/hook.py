@@ -117,7 +117,9 @@ class AccumulationHook:
     ```
     """
 
-    def __init__(self, model, *, accumulation_steps, reduction="samples"):
+    def __init__(
+        self, model, *, accumulation_steps, reduction="samples", summaries=None
+    ):
         if not _keras.is_compiled(model):
             raise ValueError(
                 "The model must be compiled before gradient accumulation can "
@@ -154,6 +156,7 @@ class AccumulationHook:
             )
         self.model = model
         self.reduction = check_reduction(reduction)
+        self.summaries = summaries
         self._optimizer = optimizer
         self._accumulators = {}  # id(variable) -> accumulator variable
         self._applied = None  # (variables, has_gradient) seen when tracing
@@ -413,6 +416,11 @@ class AccumulationHook:
                 )
             else:
                 accumulator.assign_add(tf.cast(grad, dtype))
+        if self.summaries is not None:
+            unscale = _keras.loss_scale(self._optimizer)
+            if weighted_by_loss:
+                unscale = unscale * tf.cast(samples, tf.float32)
+            self.summaries.on_micro_step(grads, unscale)
         self._applied = (variables, [grad is not None for grad in grads])
         # This update depends on `samples`, so on the micro-batch's data: when
         # a dataset of unknown length runs out, it cannot run before
@@ -431,7 +439,8 @@ class AccumulationHook:
     def _apply_window(self, **extra_counts):
         """Applies the normalised window through the optimizer, then resets."""
         variables, has_gradient = self._applied
-        window = self._counts.read_value()[:2]
+        counts = self._counts.read_value()
+        window = counts[:2]
         if self.reduction == "samples":
             denominator = window[_WINDOW_SAMPLES]
         elif self.reduction == "mean":
@@ -447,7 +456,20 @@ class AccumulationHook:
             if denominator is not None:
                 grad = grad / tf.cast(denominator, grad.dtype)
             grads.append(tf.cast(grad, variable.dtype))
+        if self.summaries is not None:
+            unscale = _keras.loss_scale(self._optimizer)  # before apply changes it
         type(self._optimizer).apply(self._optimizer, grads, variables)
+        if self.summaries is not None:
+            self.summaries.on_update(
+                grads,
+                variables,
+                unscale=unscale,
+                step=self._optimizer.iterations,
+                window=window,
+                micro_steps=counts[_COUNTS.index("micro_steps")],
+                updates=counts[_COUNTS.index("optimizer_steps")] + 1,
+                prefix=self.model.name + "/",
+            )
         self._reset_window(window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
@@ -455,6 +477,8 @@ class AccumulationHook:
         """Zeroes the accumulators and takes `window` off the window counts."""
         for accumulator in self._accumulators.values():
             accumulator.assign(tf.zeros_like(accumulator))
+        if self.summaries is not None:
+            self.summaries.on_window_reset()
         if window is None:
             window = self._counts.read_value()[:2]
         self._counts.assign_add(

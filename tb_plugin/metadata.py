@@ -1,0 +1,80 @@
+"""What the writer (`tfaccum.summary`) and the reader (the plugin) agree on.
+
+One place for the plugin name, the content proto's version, the tags and the
+`SummaryMetadata` that marks each series.
+"""
+
+from tensorboard.compat.proto import summary_pb2
+
+from tb_plugin import accumulation_pb2
+
+PLUGIN_NAME = "accumulation"
+PROTO_VERSION = 1
+
+Kind = accumulation_pb2.AccumulationPluginData
+PluginData = accumulation_pb2.AccumulationPluginData
+
+TAG_PREFIX = "accumulation/"
+ACCUMULATOR_PREFIX = TAG_PREFIX + "accumulator_norm/"
+
+# Series written once per optimizer update, in this order, with their kind.
+UPDATE_SERIES = (
+    ("applied_gradient_norm", Kind.APPLIED_GRADIENT_NORM),
+    ("micro_norm_mean", Kind.MICRO_NORM_MEAN),
+    ("micro_norm_max", Kind.MICRO_NORM_MAX),
+    ("window_micro_batches", Kind.WINDOW_MICRO_BATCHES),
+    ("window_samples", Kind.WINDOW_SAMPLES),
+    ("micro_steps", Kind.MICRO_STEPS),
+    ("skipped_updates", Kind.SKIPPED_UPDATES),
+)
+# Series written once per leftover event.
+LEFTOVER_SERIES = (
+    ("leftover/policy", Kind.LEFTOVER_POLICY),
+    ("leftover/micro_batches", Kind.LEFTOVER_MICRO_BATCHES),
+    ("leftover/samples", Kind.LEFTOVER_SAMPLES),
+)
+LEFTOVER_POLICIES = ("flush", "carry", "drop")
+
+_DESCRIPTIONS = {
+    Kind.APPLIED_GRADIENT_NORM: "Global L2 norm of the gradient applied at each optimizer update.",
+    Kind.ACCUMULATOR_NORM: "L2 norm of this variable's applied (accumulated, normalised) gradient.",
+    Kind.MICRO_NORM_MEAN: "Mean gradient norm of the micro-batches in the window.",
+    Kind.MICRO_NORM_MAX: "Largest gradient norm among the micro-batches in the window.",
+    Kind.WINDOW_MICRO_BATCHES: "Micro-batches the applied window held.",
+    Kind.WINDOW_SAMPLES: "Samples the applied window held.",
+    Kind.MICRO_STEPS: "Micro-steps trained so far in this fit.",
+    Kind.SKIPPED_UPDATES: "Micro-steps so far in this fit that did not update the optimizer.",
+    Kind.NONFINITE_SKIPS: "Micro-batches so far left out of their window for non-finite gradients.",
+    Kind.LEFTOVER_POLICY: "Partial window at an epoch's or fit's end: 0 flushed, 1 carried, 2 dropped.",
+    Kind.LEFTOVER_MICRO_BATCHES: "Micro-batches the partial window held.",
+    Kind.LEFTOVER_SAMPLES: "Samples the partial window held.",
+}
+
+
+def create_summary_metadata(kind, variable=""):
+    """A scalar `SummaryMetadata` for one accumulation series.
+
+    Args:
+        kind: An `AccumulationPluginData.Kind` value.
+        variable: For `ACCUMULATOR_NORM`, the variable's path.
+    """
+    content = PluginData(version=PROTO_VERSION, kind=kind, variable=variable)
+    return summary_pb2.SummaryMetadata(
+        summary_description=_DESCRIPTIONS[kind],
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=PLUGIN_NAME, content=content.SerializeToString()
+        ),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    )
+
+
+def parse_plugin_metadata(content):
+    """Parses `plugin_data.content`; `None` if it is from a newer writer.
+
+    Args:
+        content: The `bytes` of `SummaryMetadata.plugin_data.content`.
+    """
+    data = PluginData.FromString(content)
+    if data.version > PROTO_VERSION:
+        return None
+    return data
