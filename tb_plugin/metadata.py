@@ -10,6 +10,9 @@ from tb_plugin import accumulation_pb2
 
 PLUGIN_NAME = "accumulation"
 PROTO_VERSION = 1
+# Points kept per series unless `--samples_per_plugin=accumulation=N` says
+# otherwise (0 keeps all), as TensorBoard keeps for scalars.
+DEFAULT_SAMPLES = 1000
 
 Kind = accumulation_pb2.AccumulationPluginData
 PluginData = accumulation_pb2.AccumulationPluginData

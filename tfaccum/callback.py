@@ -286,7 +286,11 @@ class GradientAccumulationCallback(_keras.Callback):
     def _log_leftover(self, policy, window):
         if self.summaries is not None and window.micro_batches:
             self.summaries.write_leftover(
-                int(self.model.optimizer.iterations), policy, window
+                int(self.model.optimizer.iterations),
+                policy,
+                window,
+                micro_steps=self.hook.micro_steps,
+                updates=self.hook.optimizer_steps,
             )
 
     def _describe_leftover(self, window):

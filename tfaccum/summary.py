@@ -168,11 +168,31 @@ class AccumulationSummaries:
         tf.while_loop(lambda i: i < count, write_row, [tf.constant(0, tf.int64)])
         self._row_count.assign(0)
 
-    def write_leftover(self, step, policy, window):
-        """Writes one leftover event (`policy` in metadata.LEFTOVER_POLICIES)."""
-        values = (metadata.LEFTOVER_POLICIES.index(policy), *window)
+    def write_leftover(self, step, policy, window, micro_steps, updates):
+        """Writes one leftover event and the counters at that moment.
+
+        Args:
+            step: `optimizer.iterations` now.
+            policy: One of `metadata.LEFTOVER_POLICIES`.
+            window: The `Window` flushed, carried or dropped.
+            micro_steps: Micro-steps so far in this fit.
+            updates: Optimizer updates so far in this fit.
+        """
+        self.write()  # earlier steps first: each series' steps must not go back
+        points = [
+            (name, kind, value)
+            for (name, kind), value in zip(
+                metadata.LEFTOVER_SERIES,
+                (metadata.LEFTOVER_POLICIES.index(policy), *window),
+            )
+        ]
+        # Micro-steps after the last update (dropped or carried) count too.
+        points += [
+            ("micro_steps", metadata.Kind.MICRO_STEPS, micro_steps),
+            ("skipped_updates", metadata.Kind.SKIPPED_UPDATES, micro_steps - updates),
+        ]
         with self._get_writer().as_default():
-            for (name, kind), value in zip(metadata.LEFTOVER_SERIES, values):
+            for name, kind, value in points:
                 _write_scalar(
                     metadata.TAG_PREFIX + name,
                     tf.constant(value, tf.float32),

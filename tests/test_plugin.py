@@ -1,0 +1,250 @@
+"""The Accumulation plugin's routes, over event files the real callback wrote."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import make_data
+from conftest import make_model
+from tensorboard.backend import application
+from tensorboard.backend.event_processing import data_provider
+from tensorboard.backend.event_processing import plugin_event_multiplexer
+from tensorboard.plugins import base_plugin
+from werkzeug import test as werkzeug_test
+
+from tb_plugin import metadata
+from tb_plugin.loader import AccumulationPluginLoader
+from tb_plugin.plugin import AccumulationPlugin
+from tb_plugin.plugin import downsample_min_max
+from tfaccum import GradientAccumulationCallback
+
+PREFIX = "/data/plugin/accumulation"
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    """Two runs: 3 epochs of 100 samples, micro-batches of 8, windows of 4."""
+    root = tmp_path_factory.mktemp("logs")
+    x, y = make_data()
+    callbacks = {}
+    for run, leftover in (("flushing", "flush"), ("dropping", "drop")):
+        callback = GradientAccumulationCallback(
+            accumulation_steps=4, leftover=leftover, log_dir=str(root / run))
+        make_model(optimizer="adam").fit(x, y, batch_size=8, epochs=3, shuffle=False,
+                                         verbose=0, callbacks=[callback])
+        callbacks[run] = callback
+    # A run whose gradients become non-finite: one sample holds an infinity.
+    x_bad = x.copy()
+    x_bad[40, 0] = np.inf
+    make_model().fit(x_bad, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[GradientAccumulationCallback(
+                         accumulation_steps=4, log_dir=str(root / "nonfinite"))])
+    return root, callbacks
+
+
+def client_for(root, hints=None):
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance={metadata.PLUGIN_NAME: 0})
+    multiplexer.AddRunsFromDirectory(str(root))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(root))
+    context = base_plugin.TBContext(logdir=str(root), data_provider=provider,
+                                    sampling_hints=hints or {})
+    plugin = AccumulationPlugin(context)
+    app = application.TensorBoardWSGI([plugin], data_provider=provider)
+    return werkzeug_test.Client(app)
+
+
+def get_json(client, path):
+    response = client.get(PREFIX + path)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    assert response.headers["Content-Type"].startswith("application/json")
+    return json.loads(response.get_data(as_text=True))
+
+
+def test_runs(logdir):
+    root, _ = logdir
+    runs = get_json(client_for(root), "/runs")["runs"]
+    assert [r["run"] for r in runs] == ["dropping", "flushing", "nonfinite"]
+    assert runs[1] == {"run": "flushing", "updates": 12, "variables": 4}
+    assert runs[0]["updates"] == 9  # 3 updates per epoch, partial windows dropped
+
+
+def test_series(logdir):
+    root, callbacks = logdir
+    body = get_json(client_for(root), "/series?run=flushing")
+    assert body["steps"] == list(range(1, 13))
+    assert body["sampled"] == callbacks["flushing"].optimizer_steps == 12
+    series = body["series"]
+    assert set(series) == {name for name, _ in metadata.UPDATE_SERIES}
+    assert series["window_micro_batches"] == [4, 4, 4, 1] * 3
+    assert all(len(v) == 12 for v in series.values())
+    accumulators = body["accumulators"]
+    names = accumulators["variables"]
+    assert names == sorted(names) and len(names) == 4
+    assert sorted(name.split("/")[1] for name in names) == ["bias", "bias", "kernel", "kernel"]
+    assert len(accumulators["columns"]) == 12 and accumulators["columns"][0] == [1, 1]
+    # Per variable norms combine to the applied global norm at each update.
+    for column in range(12):
+        combined = math.sqrt(sum(row[column] ** 2 for row in accumulators["values"]))
+        assert combined == pytest.approx(series["applied_gradient_norm"][column], rel=1e-5)
+
+
+def test_series_downsampling_keeps_ends_and_extremes(logdir):
+    root, _ = logdir
+    client = client_for(root)
+    full = get_json(client, "/series?run=flushing")
+    small = get_json(client, "/series?run=flushing&points=6&columns=3")
+    assert len(small["steps"]) <= 6
+    assert small["steps"][0] == 1 and small["steps"][-1] == 12
+    norms = full["series"]["applied_gradient_norm"]
+    assert max(norms) in small["series"]["applied_gradient_norm"]
+    assert [c for c in small["accumulators"]["columns"]] == [[1, 4], [5, 8], [9, 12]]
+
+
+def test_downsample_min_max_by_hand():
+    values = [0, 5, 1, 1, -3, 1, 1, 9, 1, 2]
+    keep = downsample_min_max(values, 6)
+    assert keep[0] == 0 and keep[-1] == 9
+    assert 4 in keep and 7 in keep  # the minimum and the maximum
+    assert len(keep) <= 6
+    assert downsample_min_max([1.0, math.nan, 2.0, 3.0, 4.0, 5.0], 3).count(1) == 1
+
+
+def test_events_and_counters_match_the_callback(logdir):
+    root, callbacks = logdir
+    client = client_for(root)
+    flushing = get_json(client, "/events?run=flushing")
+    assert [e["policy"] for e in flushing["events"]] == ["flush"] * 3
+    assert [e["step"] for e in flushing["events"]] == [4, 8, 12]
+    assert flushing["events"][0] == {"step": 4, "policy": "flush", "micro_batches": 1, "samples": 4}
+    for run in ("flushing", "dropping"):
+        counters = get_json(client, f"/events?run={run}")["counters"]
+        callback = callbacks[run]
+        assert counters["optimizer_steps"] == callback.optimizer_steps
+        assert counters["micro_steps"] == callback.micro_steps
+        assert counters["skipped_updates"] == callback.micro_steps - callback.optimizer_steps
+        assert counters["flushes"] == callback.flushes
+        assert counters["dropped_micro_steps"] == callback.dropped_micro_steps
+    assert callbacks["dropping"].dropped_micro_steps == 3
+
+
+def test_non_finite_values_are_json_safe(logdir):
+    root, _ = logdir
+    response = get_json(client_for(root), "/series?run=nonfinite")  # parses as strict JSON
+    norms = response["series"]["applied_gradient_norm"]
+    assert norms[0] != "NaN" and isinstance(norms[0], float)
+    assert "NaN" in norms or "Infinity" in norms
+
+
+@pytest.mark.parametrize(
+    "path, code, message",
+    [
+        ("/series", 400, "Missing required query parameter: run"),
+        ("/events", 400, "Missing required query parameter: run"),
+        ("/series?run=nope", 404, "No accumulation data for run 'nope'"),
+        ("/events?run=nope", 404, "No accumulation data for run 'nope'"),
+        ("/series?run=flushing&points=0", 400, "`points` must be an integer from 1 to 100000. Received: points='0'"),
+        ("/series?run=flushing&columns=x", 400, "`columns` must be an integer from 1 to 100000. Received: columns='x'"),
+    ],
+)
+def test_bad_requests(logdir, path, code, message):
+    root, _ = logdir
+    response = client_for(root).get(PREFIX + path)
+    assert response.status_code == code
+    assert message in response.get_data(as_text=True)
+
+
+@pytest.mark.parametrize("hint, expected", [(None, 12), (5, 5), (0, 12)])
+def test_samples_per_plugin_is_honoured(logdir, hint, expected):
+    """`--samples_per_plugin=accumulation=N` bounds what is read; 0 means all."""
+    root, _ = logdir
+    hints = {} if hint is None else {metadata.PLUGIN_NAME: hint}
+    body = get_json(client_for(root, hints), "/series?run=flushing")
+    assert body["sampled"] == expected
+
+
+def test_plugin_imports_no_tensorflow():
+    code = ("import sys, tb_plugin.loader, tb_plugin.plugin, tb_plugin.metadata; "
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    (entry,) = [e for e in entry_points(group="tensorboard_plugins") if e.name == "accumulation"]
+    assert entry.load() is AccumulationPluginLoader
+
+
+def test_a_broken_plugin_does_not_crash_tensorboard(monkeypatch, caplog):
+    import tb_plugin.plugin
+
+    def broken(context):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tb_plugin.plugin, "AccumulationPlugin", broken)
+    assert AccumulationPluginLoader().load(base_plugin.TBContext()) is None
+    assert "failed to load; TensorBoard continues without it" in caplog.text
+
+
+def serve(logdir, *flags):
+    """Starts `tensorboard` on 127.0.0.1 and a free port; returns (process, url)."""
+    import re
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+         "--host", "127.0.0.1", "--port", "0", "--reload_interval", "1", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    output = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        output.append(line)
+        match = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+        if match:
+            return process, match.group(1)
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise AssertionError("tensorboard did not start:\n" + "".join(output))
+
+
+@pytest.mark.parametrize("load_fast", ["true", "false"])
+def test_both_tensorboard_loaders_read_the_summaries(logdir, load_fast):
+    import time
+    import urllib.request
+
+    root, callbacks = logdir
+    process, url = serve(root, f"--load_fast={load_fast}")
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the loaders read the files in the background
+            with urllib.request.urlopen(f"{url}{PREFIX}/runs") as response:
+                runs = json.load(response)["runs"]
+            if len(runs) == 3 and all(r["updates"] for r in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert {r["run"]: r["updates"] for r in runs} == {"dropping": 9, "flushing": 12, "nonfinite": 4}
+        with urllib.request.urlopen(f"{url}{PREFIX}/events?run=flushing") as response:
+            counters = json.load(response)["counters"]
+        assert counters["micro_steps"] == callbacks["flushing"].micro_steps
+        with urllib.request.urlopen(f"{url}{PREFIX}/series?run=flushing") as response:
+            assert json.load(response)["steps"] == list(range(1, 13))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_loader_sets_a_sampling_default_without_overriding_the_user():
+    import argparse
+
+    for given, expected in (({}, 1000), ({"accumulation": 0}, 0), ({"accumulation": 50}, 50)):
+        flags = argparse.Namespace(samples_per_plugin=dict(given))
+        AccumulationPluginLoader().fix_flags(flags)
+        assert flags.samples_per_plugin["accumulation"] == expected
