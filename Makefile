@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 6006
 PYTEST_ARGS ?=
 
-.PHONY: test demo benchmark clean
+.PHONY: test demo benchmark proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,12 @@ demo: $(VENV)/.installed-examples
 benchmark: $(VENV)/.installed-examples
 	$(BIN)/python benchmarks/throughput.py
 
+# Regenerates tb_plugin/accumulation_pb2.py. protoc 25 writes code that runs on
+# every protobuf from 4.21 on (newer protoc pins the protobuf runtime).
+proto:
+	$(PYTHON) -m venv .venv-proto
+	.venv-proto/bin/python -m pip install --quiet 'grpcio-tools==1.62.*'
+	.venv-proto/bin/python -m grpc_tools.protoc -Itb_plugin --python_out=tb_plugin tb_plugin/accumulation.proto
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-proto runs .pytest_cache

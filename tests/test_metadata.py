@@ -1,0 +1,35 @@
+"""The shared metadata module and the generated code of accumulation.proto."""
+
+import re
+from pathlib import Path
+
+from tb_plugin import accumulation_pb2
+from tb_plugin import metadata
+
+PROTO = Path(metadata.__file__).with_name("accumulation.proto").read_text()
+
+
+def test_generated_code_matches_the_proto():
+    """`make proto` was run after the last edit of accumulation.proto."""
+    message = accumulation_pb2.AccumulationPluginData.DESCRIPTOR
+    fields = dict(re.findall(r"^\s+(?:int32|string|Kind) (\w+) = (\d+);", PROTO, re.M))
+    assert {f.name: str(f.number) for f in message.fields} == fields
+    enum = dict(re.findall(r"^\s+([A-Z_]+) = (\d+);", PROTO, re.M))
+    assert {v.name: str(v.number) for v in message.enum_types_by_name["Kind"].values} == enum
+
+
+def test_summary_metadata_round_trip():
+    meta = metadata.create_summary_metadata(metadata.Kind.ACCUMULATOR_NORM, variable="dense/kernel")
+    assert meta.plugin_data.plugin_name == "accumulation"
+    assert meta.data_class == metadata.summary_pb2.DATA_CLASS_SCALAR
+    assert meta.summary_description
+    content = metadata.parse_plugin_metadata(meta.plugin_data.content)
+    assert (content.version, content.kind, content.variable) == (
+        metadata.PROTO_VERSION, metadata.Kind.ACCUMULATOR_NORM, "dense/kernel")
+
+
+def test_every_kind_has_a_description():
+    kinds = accumulation_pb2.AccumulationPluginData.Kind
+    for name in kinds.keys():
+        if name != "KIND_UNSPECIFIED":
+            metadata.create_summary_metadata(kinds.Value(name))  # no KeyError
