@@ -19,8 +19,10 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-examples
+	rm -rf runs/demo
 	$(BIN)/python examples/quickstart.py --logdir runs/demo
-	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port $(PORT)
+	@echo "Serving the Accumulation dashboard: http://127.0.0.1:$(PORT)/#accumulation"
+	$(BIN)/tensorboard --logdir runs/demo --host 127.0.0.1 --port $(PORT)
 
 benchmark: $(VENV)/.installed-examples
 	$(BIN)/python benchmarks/throughput.py

@@ -6,6 +6,10 @@ the same initial weights, once with batch 64 and once with micro-batches of 8
 accumulated 8 at a time, and prints how far apart the two end up.
 
     python examples/quickstart.py [--epochs 5] [--logdir runs/demo]
+
+With --logdir it writes the Accumulation dashboard's summaries for two runs
+(8 x 8 and, for comparison, 16 x 4 accumulated) and Keras' own loss curves;
+then `tensorboard --logdir runs/demo` and open the Accumulation tab.
 """
 
 import argparse
@@ -62,10 +66,12 @@ def main():
 
     print("Training with batch_size=8 and accumulation_steps=8 ...")
     accumulated = build_model()
-    accumulation = GradientAccumulationCallback(accumulation_steps=8, verbose=1)
+    log_dir = os.path.join(args.logdir, "8x8") if args.logdir else None
+    accumulation = GradientAccumulationCallback(
+        accumulation_steps=8, verbose=1, log_dir=log_dir)
     callbacks = [accumulation]
     if args.logdir:
-        callbacks.append(keras.callbacks.TensorBoard(os.path.join(args.logdir, "accumulated")))
+        callbacks.append(keras.callbacks.TensorBoard(log_dir))
     start = time.perf_counter()
     accumulated.fit(x, y, batch_size=8, epochs=args.epochs, shuffle=False,
                     validation_data=validation, verbose=2, callbacks=callbacks)
@@ -88,6 +94,14 @@ def main():
     print(f"largest weight difference: {difference:.2e}")
     if difference > 1e-4:
         raise SystemExit("accumulated training diverged from the large batch")
+    if args.logdir:
+        print("Training with batch_size=16 and accumulation_steps=4, for the dashboard ...")
+        log_dir = os.path.join(args.logdir, "16x4")
+        build_model().fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False,
+                          validation_data=validation, verbose=0, callbacks=[
+                              GradientAccumulationCallback(accumulation_steps=4, log_dir=log_dir),
+                              keras.callbacks.TensorBoard(log_dir)])
+        print(f"Summaries written to {args.logdir}: open TensorBoard's Accumulation tab.")
 
 
 if __name__ == "__main__":
