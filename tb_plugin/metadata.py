@@ -29,6 +29,7 @@ UPDATE_SERIES = (
     ("window_samples", Kind.WINDOW_SAMPLES),
     ("micro_steps", Kind.MICRO_STEPS),
     ("skipped_updates", Kind.SKIPPED_UPDATES),
+    ("nonfinite_skips", Kind.NONFINITE_SKIPS),
 )
 # Series written once per leftover event.
 LEFTOVER_SERIES = (

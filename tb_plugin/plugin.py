@@ -197,6 +197,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "optimizer_steps": None if applied is None else applied.step,
                 "micro_steps": last_value("micro_steps"),
                 "skipped_updates": last_value("skipped_updates"),
+                "nonfinite_skips": last_value("nonfinite_skips"),
                 "flushes": sum(e["policy"] == "flush" for e in events),
                 "carries": sum(e["policy"] == "carry" for e in events),
                 "dropped_micro_steps": sum(

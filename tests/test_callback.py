@@ -316,8 +316,8 @@ def test_verbose_prints_epoch_summary(capsys):
 def test_repr_and_config():
     callback = GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, leftover="carry")
     assert repr(callback) == ("GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, "
-                              "reduction='samples', leftover='carry', verbose=0, log_dir=None, "
-                              "scalars=False)")
+                              "reduction='samples', leftover='carry', verbose=0, skip_nonfinite=None, "
+                              "log_dir=None, scalars=False)")
     assert GradientAccumulationCallback(**callback.get_config()).get_config() == callback.get_config()
 
 

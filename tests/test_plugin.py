@@ -167,6 +167,19 @@ def test_samples_per_plugin_is_honoured(logdir, hint, expected):
     assert body["sampled"] == expected
 
 
+def test_static_files_and_frontend_metadata(logdir):
+    root, _ = logdir
+    client = client_for(root)
+    response = client.get(PREFIX + "/index.js")
+    assert response.status_code == 200
+    assert "javascript" in response.headers["Content-Type"]
+    assert "export" in response.get_data(as_text=True) and "render" in response.get_data(as_text=True)
+    listing = json.loads(client.get("/data/plugins_listing").get_data(as_text=True))
+    assert listing["accumulation"]["tab_name"] == "Accumulation"
+    assert listing["accumulation"]["loading_mechanism"] == {
+        "type": "IFRAME", "module_path": PREFIX + "/index.js"}
+
+
 def test_plugin_imports_no_tensorflow():
     code = ("import sys, tb_plugin.loader, tb_plugin.plugin, tb_plugin.metadata; "
             "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
@@ -192,53 +205,25 @@ def test_a_broken_plugin_does_not_crash_tensorboard(monkeypatch, caplog):
     assert "failed to load; TensorBoard continues without it" in caplog.text
 
 
-def serve(logdir, *flags):
-    """Starts `tensorboard` on 127.0.0.1 and a free port; returns (process, url)."""
-    import re
-    import time
-
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
-         "--host", "127.0.0.1", "--port", "0", "--reload_interval", "1", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    output = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        output.append(line)
-        match = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
-        if match:
-            return process, match.group(1)
-        if not line and process.poll() is not None:
-            break
-    process.kill()
-    raise AssertionError("tensorboard did not start:\n" + "".join(output))
-
-
 @pytest.mark.parametrize("load_fast", ["true", "false"])
 def test_both_tensorboard_loaders_read_the_summaries(logdir, load_fast):
-    import time
-    import urllib.request
+    from tensorboard_server import TensorBoard
 
     root, callbacks = logdir
-    process, url = serve(root, f"--load_fast={load_fast}")
+    server = TensorBoard(root, f"--load_fast={load_fast}", "--reload_interval", "1")
     try:
-        deadline = time.monotonic() + 60
-        while True:  # the loaders read the files in the background
-            with urllib.request.urlopen(f"{url}{PREFIX}/runs") as response:
-                runs = json.load(response)["runs"]
-            if len(runs) == 3 and all(r["updates"] for r in runs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert {r["run"]: r["updates"] for r in runs} == {"dropping": 9, "flushing": 12, "nonfinite": 4}
-        with urllib.request.urlopen(f"{url}{PREFIX}/events?run=flushing") as response:
-            counters = json.load(response)["counters"]
+        server.wait_started()
+        expected = {"dropping": 9, "flushing": 12, "nonfinite": 4}
+
+        def updates(tb):
+            return {r["run"]: r["updates"] for r in tb.get_json(PREFIX[1:] + "/runs")["runs"]}
+
+        server.wait_for(lambda tb: updates(tb) == expected, f"runs with updates {expected}")
+        counters = server.get_json(PREFIX[1:] + "/events?run=flushing")["counters"]
         assert counters["micro_steps"] == callbacks["flushing"].micro_steps
-        with urllib.request.urlopen(f"{url}{PREFIX}/series?run=flushing") as response:
-            assert json.load(response)["steps"] == list(range(1, 13))
+        assert server.get_json(PREFIX[1:] + "/series?run=flushing")["steps"] == list(range(1, 13))
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
 
 
 def test_loader_sets_a_sampling_default_without_overriding_the_user():

@@ -69,6 +69,12 @@ class GradientAccumulationCallback(_keras.Callback):
             micro-batches in `dropped_micro_steps`. Defaults to `"flush"`.
         verbose: `0` is silent; `1` prints, after each epoch, the micro-steps,
             updates and leftover window of that epoch. Defaults to `0`.
+        skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
+            infinity out of its window, counted in `nonfinite_skips`, instead
+            of letting it spoil the whole window; under mixed precision the
+            loss scale is halved too, as Keras does. Defaults to `None`: on
+            under mixed precision (`LossScaleOptimizer`), where overflow is
+            expected, off in float32, where it usually means divergence.
         log_dir: Directory for TensorBoard summaries of every optimizer
             update and leftover event, shown in the "Accumulation" tab
             (`tensorboard --logdir <parent>`). Defaults to `None` (no
@@ -83,6 +89,7 @@ class GradientAccumulationCallback(_keras.Callback):
         optimizer_steps: Optimizer updates made.
         flushes: Partial windows applied at epoch or `fit` end.
         dropped_micro_steps: Micro-batches discarded by `leftover="drop"`.
+        nonfinite_skips: Micro-batches left out for non-finite gradients.
 
     Example:
 
@@ -101,13 +108,22 @@ class GradientAccumulationCallback(_keras.Callback):
         reduction="samples",
         leftover="flush",
         verbose=0,
+        skip_nonfinite=None,
         log_dir=None,
         scalars=False,
         **kwargs,
     ):
         _reject_unknown(
             kwargs,
-            ["accumulation_steps", "reduction", "leftover", "verbose", "log_dir", "scalars"],
+            [
+                "accumulation_steps",
+                "reduction",
+                "leftover",
+                "verbose",
+                "skip_nonfinite",
+                "log_dir",
+                "scalars",
+            ],
         )
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)
@@ -119,6 +135,12 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
+        if skip_nonfinite not in (None, True, False):
+            raise TypeError(
+                "`skip_nonfinite` must be None, True or False. "
+                f"Received: skip_nonfinite={skip_nonfinite!r}"
+            )
+        self.skip_nonfinite = skip_nonfinite
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
                 "`log_dir` must be a path (str or os.PathLike) or None. "
@@ -160,12 +182,17 @@ class GradientAccumulationCallback(_keras.Callback):
     def dropped_micro_steps(self):
         return self._count("dropped_micro_steps")
 
+    @property
+    def nonfinite_skips(self):
+        return self._count("nonfinite_skips")
+
     def get_config(self):
         return {
             "accumulation_steps": self.accumulation_steps,
             "reduction": self.reduction,
             "leftover": self.leftover,
             "verbose": self.verbose,
+            "skip_nonfinite": self.skip_nonfinite,
             "log_dir": self.log_dir,
             "scalars": self.scalars,
         }
@@ -200,6 +227,7 @@ class GradientAccumulationCallback(_keras.Callback):
                 self.model,
                 accumulation_steps=1,  # set from the schedule at each epoch start
                 reduction=self.reduction,
+                skip_nonfinite=self.skip_nonfinite,
                 summaries=self.summaries,
             )
         self._epoch_open = False
@@ -291,6 +319,7 @@ class GradientAccumulationCallback(_keras.Callback):
                 window,
                 micro_steps=self.hook.micro_steps,
                 updates=self.hook.optimizer_steps,
+                nonfinite=self.hook.nonfinite_skips,
             )
 
     def _describe_leftover(self, window):

@@ -23,15 +23,20 @@ _HOOK_ATTRIBUTE = "_tfaccum_hook"
 _COUNTS = (
     "window_micro_steps",
     "window_samples",
+    "window_nonfinite",
     "micro_steps",
     "optimizer_steps",
     "flushes",
     "dropped_micro_steps",
+    "nonfinite_skips",
 )
-_WINDOW_MICRO, _WINDOW_SAMPLES = 0, 1
-# What one micro-step adds: _MICRO_STEP + samples * _SAMPLE.
-_MICRO_STEP = (1, 0, 1, 0, 0, 0)
-_SAMPLE = (0, 1, 0, 0, 0, 0)
+_WINDOW_MICRO, _WINDOW_SAMPLES, _WINDOW_NONFINITE = 0, 1, 2
+_WINDOW = 3  # the first three counts describe the open window
+# What one micro-step adds: _MICRO_STEP + samples * _SAMPLE, or
+# _MICRO_STEP + _NONFINITE when its gradient is left out.
+_MICRO_STEP = (1, 0, 0, 1, 0, 0, 0, 0)
+_SAMPLE = (0, 1, 0, 0, 0, 0, 0, 0)
+_NONFINITE = (0, 0, 1, 0, 0, 0, 0, 1)
 
 
 def _count_delta(**deltas):
@@ -98,6 +103,14 @@ class AccumulationHook:
             `"mean"` gives each micro-batch equal weight (Keras' own
             accumulation), `"sum"` adds them without dividing. Defaults to
             `"samples"`.
+        skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
+            infinity out of its window (counted in `nonfinite_skips`) instead
+            of letting it spoil the window. Under mixed precision
+            (`LossScaleOptimizer`) the loss scale is also halved, as Keras
+            does. `None` (the default) turns it on exactly under
+            `LossScaleOptimizer`, where overflow is expected; in float32 a
+            non-finite gradient usually means divergence, which should show.
+        summaries: An `AccumulationSummaries` that records every update.
 
     Example:
 
@@ -118,7 +131,13 @@ class AccumulationHook:
     """
 
     def __init__(
-        self, model, *, accumulation_steps, reduction="samples", summaries=None
+        self,
+        model,
+        *,
+        accumulation_steps,
+        reduction="samples",
+        skip_nonfinite=None,
+        summaries=None,
     ):
         if not _keras.is_compiled(model):
             raise ValueError(
@@ -156,6 +175,14 @@ class AccumulationHook:
             )
         self.model = model
         self.reduction = check_reduction(reduction)
+        if skip_nonfinite not in (None, True, False):
+            raise TypeError(
+                "`skip_nonfinite` must be None, True or False. "
+                f"Received: skip_nonfinite={skip_nonfinite!r}"
+            )
+        if skip_nonfinite is None:
+            skip_nonfinite = _keras.scales_loss_dynamically(optimizer)
+        self.skip_nonfinite = skip_nonfinite
         self.summaries = summaries
         self._optimizer = optimizer
         self._accumulators = {}  # id(variable) -> accumulator variable
@@ -309,6 +336,11 @@ class AccumulationHook:
         return self._read("dropped_micro_steps")
 
     @property
+    def nonfinite_skips(self):
+        """Micro-batches left out of their window for non-finite gradients."""
+        return self._read("nonfinite_skips")
+
+    @property
     def pending(self):
         """The `Window` accumulated but not yet applied."""
         counts = self._counts.numpy()
@@ -391,6 +423,32 @@ class AccumulationHook:
                 f"Received {len(grads)} gradients for {len(variables)} "
                 "variables in `optimizer.apply()`."
             )
+        self._applied = (variables, [grad is not None for grad in grads])
+
+        def add():
+            self._add_to_window(grads, variables, samples, weighted_by_loss)
+            return tf.constant(_MICRO_STEP, tf.int64) + samples * tf.constant(
+                _SAMPLE, tf.int64
+            )
+
+        if self.skip_nonfinite:
+            # A non-finite micro-batch is left out; the window goes on.
+            delta = tf.cond(_all_finite(grads), add, self._leave_out)
+        else:
+            delta = add()
+        # This update depends on `samples`, so on the micro-batch's data: when
+        # a dataset of unknown length runs out, it cannot run before
+        # `get_next()` fails (Keras' own `optimizer.iterations` can, and
+        # counts a phantom step per epoch that way).
+        self._counts.assign_add(delta)
+        applied = tf.cond(
+            self._counts[_WINDOW_MICRO] >= self._steps,
+            self._end_window,
+            lambda: tf.constant(False),
+        )
+        _keep_as_function_call(applied)
+
+    def _add_to_window(self, grads, variables, samples, weighted_by_loss):
         weighted = self.reduction == "samples" and not weighted_by_loss
         scales = {}  # dtype -> -samples, computed once per step
         for grad, variable in zip(grads, variables):
@@ -421,31 +479,38 @@ class AccumulationHook:
             if weighted_by_loss:
                 unscale = unscale * tf.cast(samples, tf.float32)
             self.summaries.on_micro_step(grads, unscale)
-        self._applied = (variables, [grad is not None for grad in grads])
-        # This update depends on `samples`, so on the micro-batch's data: when
-        # a dataset of unknown length runs out, it cannot run before
-        # `get_next()` fails (Keras' own `optimizer.iterations` can, and
-        # counts a phantom step per epoch that way).
-        self._counts.assign_add(
-            tf.constant(_MICRO_STEP, tf.int64)
-            + samples * tf.constant(_SAMPLE, tf.int64)
+
+    def _leave_out(self):
+        """Counts a non-finite micro-batch; lowers a dynamic loss scale."""
+        optimizer = self._optimizer
+        if _keras.scales_loss_dynamically(optimizer):
+            # As Keras' LossScaleOptimizer does for a non-finite step. What
+            # the window holds was scaled by the old scale: halve it too.
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+            for accumulator in self._accumulators.values():
+                accumulator.assign(accumulator * 0.5)
+        return tf.constant(_MICRO_STEP, tf.int64) + tf.constant(_NONFINITE, tf.int64)
+
+    def _end_window(self, **extra_counts):
+        """Applies the window (if any micro-batch in it counts), then resets."""
+        window = self._counts.read_value()[:_WINDOW]
+        contributing = window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE]
+        return tf.cond(
+            contributing > 0,
+            lambda: self._apply_window(**extra_counts),
+            lambda: self._reset_window(window) or tf.constant(False),
         )
-        applied = tf.cond(
-            self._counts[_WINDOW_MICRO] >= self._steps,
-            self._apply_window,
-            lambda: tf.constant(False),
-        )
-        _keep_as_function_call(applied)
 
     def _apply_window(self, **extra_counts):
         """Applies the normalised window through the optimizer, then resets."""
         variables, has_gradient = self._applied
         counts = self._counts.read_value()
-        window = counts[:2]
+        window = counts[:_WINDOW]
         if self.reduction == "samples":
             denominator = window[_WINDOW_SAMPLES]
         elif self.reduction == "mean":
-            denominator = window[_WINDOW_MICRO]
+            denominator = window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE]
         else:
             denominator = None
         grads = []
@@ -469,6 +534,7 @@ class AccumulationHook:
                 window=window,
                 micro_steps=counts[_COUNTS.index("micro_steps")],
                 updates=counts[_COUNTS.index("optimizer_steps")] + 1,
+                nonfinite=counts[_COUNTS.index("nonfinite_skips")],
                 prefix=self.model.name + "/",
             )
         self._reset_window(window, optimizer_steps=1, **extra_counts)
@@ -481,11 +547,12 @@ class AccumulationHook:
         if self.summaries is not None:
             self.summaries.on_window_reset()
         if window is None:
-            window = self._counts.read_value()[:2]
+            window = self._counts.read_value()[:_WINDOW]
         self._counts.assign_add(
             _count_delta(
                 window_micro_steps=-window[_WINDOW_MICRO],
                 window_samples=-window[_WINDOW_SAMPLES],
+                window_nonfinite=-window[_WINDOW_NONFINITE],
                 **extra_counts,
             )
         )
@@ -498,18 +565,18 @@ class AccumulationHook:
         return tf.function(fn, autograph=False)
 
     def _flush_graph(self):
-        window = self._counts.read_value()[:2]
+        window = self._counts.read_value()[:_WINDOW]
         tf.cond(
             window[_WINDOW_MICRO] > 0,
-            lambda: self._apply_window(flushes=1),
+            lambda: self._end_window(flushes=1),
             lambda: tf.constant(False),
         )
-        return window
+        return window[:2]
 
     def _drop_graph(self):
-        window = self._counts.read_value()[:2]
+        window = self._counts.read_value()[:_WINDOW]
         self._reset_window(window, dropped_micro_steps=window[_WINDOW_MICRO])
-        return window
+        return window[:2]
 
     def flush(self):
         """Applies a partial window now, normalised by what it holds.
@@ -538,6 +605,22 @@ class AccumulationHook:
         return Window(int(micro_batches), int(samples))
 
 
+def _all_finite(grads):
+    return tf.reduce_all(
+        tf.stack(
+            [
+                tf.reduce_all(
+                    tf.math.is_finite(
+                        grad.values if isinstance(grad, tf.IndexedSlices) else grad
+                    )
+                )
+                for grad in grads
+                if grad is not None
+            ]
+        )
+    )
+
+
 def _keep_as_function_call(cond_output):
     """Asks TensorFlow not to inline the update branch into the step's graph.
 
@@ -561,7 +644,9 @@ def _keep_as_function_call(cond_output):
         pass
 
 
-def install_accumulation_hook(model, *, accumulation_steps, reduction="samples"):
+def install_accumulation_hook(
+    model, *, accumulation_steps, reduction="samples", skip_nonfinite=None
+):
     """Installs gradient accumulation on a compiled model and returns the hook.
 
     See `AccumulationHook` for the arguments; `hook.remove()` undoes it.
@@ -574,7 +659,10 @@ def install_accumulation_hook(model, *, accumulation_steps, reduction="samples")
     ```
     """
     return AccumulationHook(
-        model, accumulation_steps=accumulation_steps, reduction=reduction
+        model,
+        accumulation_steps=accumulation_steps,
+        reduction=reduction,
+        skip_nonfinite=skip_nonfinite,
     )
 
 

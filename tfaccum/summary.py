@@ -68,7 +68,16 @@ class AccumulationSummaries:
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
 
     def on_update(
-        self, grads, variables, unscale, step, window, micro_steps, updates, prefix=""
+        self,
+        grads,
+        variables,
+        unscale,
+        step,
+        window,
+        micro_steps,
+        updates,
+        nonfinite,
+        prefix="",
     ):
         """Buffers one row for an optimizer update.
 
@@ -77,9 +86,11 @@ class AccumulationSummaries:
             variables: Their variables.
             unscale: What `grads` are multiplied by (loss scaling), to undo.
             step: `optimizer.iterations` after this update.
-            window: `(micro_batches, samples)` the window held, int64.
+            window: `(micro_batches, samples, nonfinite micro-batches)` the
+                window held, int64.
             micro_steps: Micro-steps so far in this fit, int64.
             updates: Optimizer updates so far in this fit, including this one.
+            nonfinite: Micro-batches left out so far in this fit, int64.
             prefix: Left off the variables' paths (the model's name).
         """
         present = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -95,16 +106,18 @@ class AccumulationSummaries:
             [tf.sqrt(_squared_norm([g])) / unscale for g, _ in present]
         )
         micro_batches = tf.cast(window[0], tf.float64)
+        counted = tf.cast(window[0] - window[2], tf.float64)  # finite ones
         row = tf.stack(
             [
                 tf.cast(step, tf.float64),
                 tf.cast(tf.norm(norms), tf.float64),
-                tf.cast(self._micro_norm_sum, tf.float64) / micro_batches,
+                tf.cast(self._micro_norm_sum, tf.float64) / counted,
                 tf.cast(self._micro_norm_max, tf.float64),
                 micro_batches,
                 tf.cast(window[1], tf.float64),
                 tf.cast(micro_steps, tf.float64),
                 tf.cast(micro_steps - updates, tf.float64),
+                tf.cast(nonfinite, tf.float64),
             ]
         )
         # The host writes before the buffer can fill; never index past it.
@@ -168,7 +181,7 @@ class AccumulationSummaries:
         tf.while_loop(lambda i: i < count, write_row, [tf.constant(0, tf.int64)])
         self._row_count.assign(0)
 
-    def write_leftover(self, step, policy, window, micro_steps, updates):
+    def write_leftover(self, step, policy, window, micro_steps, updates, nonfinite):
         """Writes one leftover event and the counters at that moment.
 
         Args:
@@ -177,6 +190,7 @@ class AccumulationSummaries:
             window: The `Window` flushed, carried or dropped.
             micro_steps: Micro-steps so far in this fit.
             updates: Optimizer updates so far in this fit.
+            nonfinite: Micro-batches left out so far in this fit.
         """
         self.write()  # earlier steps first: each series' steps must not go back
         points = [
@@ -190,6 +204,7 @@ class AccumulationSummaries:
         points += [
             ("micro_steps", metadata.Kind.MICRO_STEPS, micro_steps),
             ("skipped_updates", metadata.Kind.SKIPPED_UPDATES, micro_steps - updates),
+            ("nonfinite_skips", metadata.Kind.NONFINITE_SKIPS, nonfinite),
         ]
         with self._get_writer().as_default():
             for name, kind, value in points:

@@ -1,0 +1,139 @@
+// Entry point: TensorBoard imports this module in the tab's iframe and calls render().
+
+import {heatMap, lineChart} from './charts.js';
+import * as model from './model.js';
+import * as views from './views.js';
+
+const PALETTE = ['#1a73e8', '#e8710a', '#12b5cb', '#9334e6', '#7cb342', '#795548',
+  '#e52592', '#5f6368', '#f9ab00', '#00897b'];
+
+export async function render() {
+  const state = {
+    runs: [], // [{run, updates, variables}] from /runs
+    seen: new Set(), // runs listed before: a reload selects only new ones
+    selected: new Set(),
+    heatRun: null,
+    showMicro: true,
+    generation: 0, // bumped by every load; replies of older loads are ignored
+    data: [], // fetchRun results of the selected runs, in run order
+  };
+  const ui = views.mount(() => {
+    model.clearCache();
+    loadRuns();
+  });
+  const colorOf = (run) => {
+    const i = state.runs.findIndex((r) => r.run === run);
+    return PALETTE[(i < 0 ? 0 : i) % PALETTE.length];
+  };
+  const markReady = () => {
+    ui.root.dataset.ready = 'true';
+    document.body.dataset.ready = 'true';
+  };
+
+  async function loadRuns() {
+    const generation = ++state.generation;
+    views.setStatus(ui, 'Loading runs…');
+    let runs;
+    try {
+      runs = await model.fetchRuns();
+    } catch (err) {
+      if (generation === state.generation) {
+        views.setStatus(ui, `Could not load the runs: ${err.message}`, true);
+        ui.content.replaceChildren();
+        markReady();
+      }
+      return;
+    }
+    if (generation !== state.generation) return;
+    state.runs = runs;
+    for (const {run} of runs) {
+      if (!state.seen.has(run)) state.selected.add(run);
+      state.seen.add(run);
+    }
+    if (!runs.length) {
+      views.setStatus(ui, '');
+      ui.controls.replaceChildren();
+      ui.content.replaceChildren(views.emptyState());
+      markReady();
+      return;
+    }
+    ui.controls.replaceChildren(views.runSelector(runs, state.selected, colorOf, (run, on) => {
+      if (on) state.selected.add(run); else state.selected.delete(run);
+      loadSelected();
+    }));
+    await loadSelected();
+  }
+
+  async function loadSelected() {
+    const generation = ++state.generation;
+    const runs = state.runs.map((r) => r.run).filter((run) => state.selected.has(run));
+    if (!runs.length) {
+      views.setStatus(ui, 'Select at least one run.');
+      ui.content.replaceChildren();
+      markReady();
+      return;
+    }
+    views.setStatus(ui, 'Loading…');
+    ui.root.dataset.loading = 'true';
+    let data;
+    try {
+      data = await Promise.all(runs.map(model.fetchRun));
+    } catch (err) {
+      if (generation === state.generation) {
+        views.setStatus(ui, `Could not load the data: ${err.message}`, true);
+        ui.content.replaceChildren();
+        delete ui.root.dataset.loading;
+        markReady();
+      }
+      return;
+    }
+    if (generation !== state.generation) return; // the selection changed meanwhile
+    state.data = data;
+    if (!runs.includes(state.heatRun)) state.heatRun = runs[0];
+    views.setStatus(ui, '');
+    draw();
+    delete ui.root.dataset.loading;
+    markReady();
+  }
+
+  const sections = {norms: null, heat: null};
+
+  function drawNorms() {
+    const lines = state.data.map((d) => ({...d, color: colorOf(d.run)}));
+    const notes = state.data
+      .filter((d) => d.steps.length < d.sampled)
+      .map((d) => `${d.run}: ${d.steps.length} of ${d.sampled} points drawn (extremes kept)`);
+    const section = views.normsSection(lineChart(lines, {showMicro: state.showMicro}), {
+      showMicro: state.showMicro,
+      onToggleMicro: (on) => {
+        state.showMicro = on;
+        drawNorms();
+      },
+      notes,
+    });
+    sections.norms.replaceWith(section);
+    sections.norms = section;
+  }
+
+  function drawHeat() {
+    const d = state.data.find((x) => x.run === state.heatRun) || state.data[0];
+    const section = views.heatSection(state.data.map((x) => x.run), d.run, (run) => {
+      state.heatRun = run;
+      drawHeat();
+    }, heatMap(d.heat, d.run), !d.heat.variables.length);
+    sections.heat.replaceWith(section);
+    sections.heat = section;
+  }
+
+  function draw() {
+    sections.norms = document.createElement('section');
+    sections.heat = document.createElement('section');
+    const counters = views.countersTable(
+      state.data.map((d) => ({run: d.run, color: colorOf(d.run), counters: d.counters})));
+    ui.content.replaceChildren(sections.norms, sections.heat, counters);
+    drawNorms();
+    drawHeat();
+  }
+
+  await loadRuns();
+}

@@ -1,0 +1,293 @@
+"""The Accumulation dashboard in a real browser: TensorBoard + headless Chromium.
+
+Event files come from the real callback; TensorBoard runs as a subprocess on
+127.0.0.1; Playwright drives Chromium through the page a user opens. Skipped
+when Chromium or Playwright is missing, except with CI=true, where that fails.
+Set TFACCUM_SCREENSHOT=path.png to save a screenshot of the dashboard.
+"""
+
+import os
+import re
+import shutil
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+from conftest import make_data
+from conftest import make_model
+
+from tensorboard_server import TensorBoard
+
+from tfaccum import GradientAccumulationCallback
+
+REPO = Path(__file__).resolve().parents[1]
+MALICIOUS = "<img src=x onerror=alert(1)>"
+EPOCHS = 3
+API = "data/plugin/accumulation/"
+ENTRY = "data/plugin_entry.html?name=accumulation"  # the tab's iframe document
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+TIMEOUT_S = 60
+
+# What the page drew, read from the DOM attributes the dashboard sets for tests.
+READ_DASHBOARD = """() => {
+  const byRun = (selector, attr) => Object.fromEntries(
+    [...document.querySelectorAll(selector)].map((e) => [e.dataset.run, Number(e.dataset[attr])]));
+  return {
+    lines: byRun('path.applied[data-run]', 'points'),
+    markers: byRun('g.events[data-run]', 'markers'),
+    nonfinite: byRun('g.nonfinite[data-run]', 'count'),
+    policies: Object.fromEntries([...document.querySelectorAll('g.events[data-run]')].map((g) =>
+      [g.dataset.run, [...g.querySelectorAll('.marker')].map((m) => m.getAttribute('class'))])),
+    counters: Object.fromEntries([...document.querySelectorAll('tr[data-run]')].map((tr) =>
+      [tr.dataset.run, Object.fromEntries([...tr.querySelectorAll('[data-counter]')].map(
+        (td) => [td.dataset.counter, td.textContent]))])),
+    runLabels: [...document.querySelectorAll('label[data-run]')].map((l) => l.textContent),
+    heat: [...document.querySelectorAll('svg.heat')].map((s) =>
+      [s.dataset.run, Number(s.dataset.rows), Number(s.dataset.columns)]),
+    images: document.querySelectorAll('img').length,
+    status: document.querySelector('.status').textContent,
+  };
+}"""
+
+READY = "document.body && document.body.dataset.ready === 'true'"
+IDLE = "!document.getElementById('accumulation-dashboard').dataset.loading"
+
+
+# -- browser ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    problems = []
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        problems.append("the `playwright` Python package (`pip install playwright`; "
+                        "it drives the system Chromium, no browser download)")
+    executable = next((p for p in ("/usr/bin/chromium", shutil.which("chromium"))
+                       if p and os.path.exists(p)), None)
+    if executable is None:
+        problems.append("Chromium at /usr/bin/chromium or on PATH (`apt-get install chromium`)")
+    if problems:
+        message = "The dashboard browser test needs " + " and ".join(problems) + "."
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + " Install what is missing: with CI=true this test fails "
+                        "instead of skipping.")
+        pytest.skip(message)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url):
+    """A new page at `url`; collects dialogs (dismissed) and uncaught errors."""
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    page.set_default_timeout(TIMEOUT_S * 1000)
+    page.dialogs, page.errors = [], []
+    page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    page.goto(url)
+    return page
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs written by the real callback, and the callback's own counters."""
+    root = tmp_path_factory.mktemp("dashboard_logs")
+    x, y = make_data()
+    counters = {}
+    for name, leftover in (("run-flush", "flush"), (MALICIOUS, "drop")):
+        callback = GradientAccumulationCallback(
+            accumulation_steps=4, leftover=leftover, log_dir=str(root / name))
+        make_model().fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0,
+                         callbacks=[callback])
+        counters[name] = {
+            "optimizer_steps": callback.optimizer_steps,
+            "micro_steps": callback.micro_steps,
+            "skipped_updates": callback.micro_steps - callback.optimizer_steps,
+            "flushes": callback.flushes,
+            "dropped_micro_steps": callback.dropped_micro_steps,
+        }
+    return root, counters
+
+
+@pytest.fixture(scope="module")
+def served(runs):
+    """TensorBoard serving `runs`, once it has loaded all of them."""
+    root, counters = runs
+    server = TensorBoard(root)
+    try:
+        server.wait_started()
+
+        def loaded(tb):
+            for name, expected in counters.items():
+                got = tb.get_json(API + "events?run=" + urllib.parse.quote(name))["counters"]
+                if (got["optimizer_steps"], got["micro_steps"]) != (
+                        expected["optimizer_steps"], expected["micro_steps"]):
+                    return False
+            return True
+
+        server.wait_for(loaded, "the finished runs")
+        yield server, counters
+    finally:
+        server.stop()
+
+
+# -- tests ------------------------------------------------------------------------
+
+
+def test_dashboard_draws_what_the_callback_wrote(browser, served):
+    server, counters = served
+    page = open_page(browser, server.url + "#accumulation")
+    iframe = page.wait_for_selector(f'iframe[src*="{ENTRY}"]', state="attached")
+    frame = iframe.content_frame()
+    frame.wait_for_function(READY)
+    seen = frame.evaluate(READ_DASHBOARD)
+
+    assert seen["status"] == ""
+    assert set(seen["lines"]) == set(counters)
+    flush, drop = counters["run-flush"], counters[MALICIOUS]
+    assert flush["flushes"] == EPOCHS and drop["dropped_micro_steps"] == EPOCHS
+    for name, expected in counters.items():
+        assert seen["lines"][name] == expected["optimizer_steps"], name
+        assert seen["nonfinite"][name] == 0, name
+        # The table shows the callback's own counters...
+        table = seen["counters"][name]
+        assert {key: int(table[key]) for key in expected} == expected, name
+        assert table["carries"] == "0", name
+        # ...and every counter of /events as plain text, "—" for null.
+        api = server.get_json(API + "events?run=" + urllib.parse.quote(name))["counters"]
+        assert table == {key: "—" if v is None else str(v) for key, v in api.items()}, name
+    # One marker per leftover event: a flush per epoch, or a drop (of 1 micro-batch) per epoch.
+    assert seen["markers"] == {"run-flush": EPOCHS, MALICIOUS: EPOCHS}
+    assert seen["policies"]["run-flush"] == ["marker marker-flush"] * EPOCHS
+    assert seen["policies"][MALICIOUS] == ["marker marker-drop"] * EPOCHS
+    # The heat map of the first run: 4 variables, a column per update (fewer than 120).
+    assert seen["heat"] == [[MALICIOUS, 4, drop["optimizer_steps"]]]
+
+    # The run named like markup is shown as text, never parsed as HTML.
+    assert MALICIOUS in seen["runLabels"]
+    assert frame.get_by_text(MALICIOUS, exact=True).count() >= 2  # selector label, table
+    assert seen["images"] == 0
+    assert page.locator("img[src='x']").count() == 0
+    assert page.dialogs == [] and page.errors == []
+
+    # Choosing the other run for the heat map, then unselecting a run.
+    frame.select_option("#heat-run", "run-flush")
+    frame.wait_for_function("document.querySelector('svg.heat').dataset.run === 'run-flush'")
+    frame.locator('input[data-run="run-flush"]').uncheck()
+    frame.wait_for_function(f"document.querySelectorAll('path.applied').length === 1 && {IDLE}")
+    seen = frame.evaluate(READ_DASHBOARD)
+    assert list(seen["lines"]) == list(seen["counters"]) == [MALICIOUS]
+    assert seen["heat"][0][0] == MALICIOUS
+    assert page.dialogs == [] and page.errors == []
+
+    if os.environ.get("TFACCUM_SCREENSHOT"):
+        shot = open_page(browser, server.url + ENTRY)
+        shot.wait_for_function(READY)
+        shot.screenshot(path=os.environ["TFACCUM_SCREENSHOT"], full_page=True)
+        shot.close()
+    page.close()
+
+
+def test_non_finite_values_and_failed_fetches(browser, served):
+    server, counters = served
+    page = open_page(browser, "about:blank")
+
+    def with_non_finite(route):
+        response = route.fetch()
+        body = response.json()
+        applied = body["series"]["applied_gradient_norm"]
+        applied[1:4] = ["NaN", "Infinity", "-Infinity"]
+        body["series"]["micro_norm_max"][2] = "Infinity"
+        body["accumulators"]["values"][0][:2] = ["NaN", None]
+        route.fulfill(response=response, json=body)
+
+    page.route(re.compile(re.escape(API + "series?")), with_non_finite)
+    page.goto(server.url + ENTRY)
+    page.wait_for_function(READY)
+    seen = page.evaluate(READ_DASHBOARD)
+    assert seen["status"] == ""
+    for name, expected in counters.items():
+        assert seen["lines"][name] == expected["optimizer_steps"] - 3, name
+        assert seen["nonfinite"][name] == 3, name
+    assert page.errors == []
+
+    # A failing route shows its message instead of a chart.
+    page.unroute_all()
+    page.route(re.compile(re.escape(API + "events?")),
+               lambda route: route.fulfill(status=500, body="boom"))
+    page.get_by_role("button", name="Reload").click()
+    page.wait_for_selector(".status.error")
+    assert "500 boom" in page.locator(".status").text_content()
+    assert page.locator("path.applied").count() == 0
+    assert page.errors == [] and page.dialogs == []
+    page.unroute_all(behavior="ignoreErrors")
+    page.close()
+
+
+# Delays the JSON of every reply about run-flush by 2 s; counts them once consumed.
+SLOW_RUN_FLUSH = """
+window.slowDone = 0;
+const originalFetch = window.fetch;
+window.fetch = async (...args) => {
+  const response = await originalFetch(...args);
+  if (!String(args[0]).includes('run=run-flush')) return response;
+  const json = response.json.bind(response);
+  response.json = () => json().then((value) => new Promise((resolve) => setTimeout(() => {
+    resolve(value);
+    setTimeout(() => { window.slowDone += 1; });  // after the page's reaction to it
+  }, 2000)));
+  return response;
+};
+"""
+
+
+def test_a_reply_for_an_older_selection_is_ignored(browser, served):
+    server, counters = served
+    page = open_page(browser, "about:blank")
+    page.add_init_script(SLOW_RUN_FLUSH)
+    page.goto(server.url + ENTRY)
+    page.locator('input[data-run="run-flush"]').uncheck()  # while its data is in flight
+    page.wait_for_function(f"{READY} && {IDLE}")
+    assert page.evaluate("window.slowDone") == 0
+    drawn = page.evaluate(READ_DASHBOARD)["lines"]
+    assert drawn == {MALICIOUS: counters[MALICIOUS]["optimizer_steps"]}
+    page.wait_for_function("window.slowDone === 2")  # series and events of run-flush
+    seen = page.evaluate(READ_DASHBOARD)
+    assert list(seen["lines"]) == list(seen["counters"]) == [MALICIOUS]
+    assert page.errors == []
+    page.close()
+
+
+def test_empty_state_without_accumulation_runs(browser, tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path / "plain"))
+    with writer.as_default():
+        tf.summary.scalar("loss", 1.0, step=0)
+    writer.close()
+    server = TensorBoard(tmp_path)
+    try:
+        server.wait_started()
+        server.wait_for(lambda tb: "plain" in tb.get_json("data/runs"), "the plain run")
+        assert server.get_json(API + "runs") == {"runs": []}
+        # TensorBoard shows no tab for a plugin without data: open the tab's document.
+        page = open_page(browser, server.url + ENTRY)
+        page.wait_for_function(READY)
+        empty = page.locator("#empty-state")
+        assert empty.is_visible()
+        text = empty.text_content()
+        assert "No accumulation data was found" in text
+        assert 'GradientAccumulationCallback(accumulation_steps=4, log_dir="logs/run-a")' in text
+        assert "tensorboard --logdir logs" in text
+        assert page.locator("path.applied").count() == 0
+        assert page.errors == []
+        page.close()
+    finally:
+        server.stop()
