@@ -424,6 +424,12 @@ class AccumulationHook:
                 "variables in `optimizer.apply()`."
             )
         self._applied = (variables, [grad is not None for grad in grads])
+        optimizer = self._optimizer
+        if not optimizer.built:
+            # Build its variables here, outside the update's `tf.cond`.
+            with tf.init_scope():
+                optimizer.build(variables)
+                optimizer.built = True
 
         def add():
             self._add_to_window(grads, variables, samples, weighted_by_loss)
