@@ -134,7 +134,10 @@ class AccumulationSummaries:
 
     def _get_writer(self):
         if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+            # Events queue up in memory between the writes at epoch ends.
+            self._writer = tf.summary.create_file_writer(
+                self.log_dir, max_queue=100_000, flush_millis=60_000
+            )
         return self._writer
 
     def write(self):
@@ -231,14 +234,19 @@ def _write_scalar(tag, value, step, summary_metadata):
 def _squared_norm(grads):
     total = []
     for grad in grads:
+        if grad is None:
+            continue
         if isinstance(grad, tf.IndexedSlices):
             # Sum repeated rows first: the norm of the dense gradient.
             unique, positions = tf.unique(grad.indices)
             grad = tf.math.unsorted_segment_sum(
                 grad.values, positions, tf.shape(unique)[0]
             )
-        total.append(tf.nn.l2_loss(tf.cast(grad, tf.float32)))
-    return 2.0 * tf.add_n(total)
+        # As a [1, n] x [n, 1] product: BLAS reads the gradient once, faster
+        # on CPUs than TensorFlow's reductions (this runs every micro-step).
+        row = tf.reshape(tf.cast(grad, tf.float32), (1, -1))
+        total.append(tf.matmul(row, row, transpose_b=True)[0, 0])
+    return tf.add_n(total)
 
 
 def _variable_name(variable, prefix):
