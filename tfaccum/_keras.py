@@ -41,11 +41,12 @@ def scales_loss_dynamically(optimizer):
 def loss_scale(optimizer):
     """What `optimizer.scale_loss()` multiplies the loss (and gradients) by now.
 
-    A float32 tensor, read when called.
+    A float32 tensor read when called, or `None` when it does not scale.
     """
     if scales_loss_dynamically(optimizer):
         return tf.cast(optimizer.dynamic_scale.value, tf.float32)
-    return tf.constant(getattr(optimizer, "loss_scale_factor", None) or 1.0, tf.float32)
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    return None if factor is None else tf.constant(factor, tf.float32)
 
 
 def is_compiled(model):

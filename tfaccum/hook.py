@@ -483,7 +483,8 @@ class AccumulationHook:
         if self.summaries is not None:
             unscale = _keras.loss_scale(self._optimizer)
             if weighted_by_loss:
-                unscale = unscale * tf.cast(samples, tf.float32)
+                weight = tf.cast(samples, tf.float32)
+                unscale = weight if unscale is None else unscale * weight
             self.summaries.on_micro_step(grads, unscale)
 
     def _leave_out(self):

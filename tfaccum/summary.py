@@ -60,10 +60,10 @@ class AccumulationSummaries:
 
     # -- inside the train step ------------------------------------------------
 
-    def on_micro_step(self, grads, unscale):
+    def on_micro_step(self, grads, unscale=None):
         """Adds one micro-batch's gradient norm; `unscale` undoes any scaling."""
         # Few, cheap ops: this runs every micro-step.
-        norm = tf.sqrt(_squared_norm(grads)) / unscale
+        norm = _unscaled(tf.sqrt(_squared_norm(grads)), unscale)
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
 
@@ -84,7 +84,8 @@ class AccumulationSummaries:
         Args:
             grads: The normalised gradients passed to the optimizer (or None).
             variables: Their variables.
-            unscale: What `grads` are multiplied by (loss scaling), to undo.
+            unscale: What `grads` are multiplied by (loss scaling), to undo,
+                or `None`.
             step: `optimizer.iterations` after this update.
             window: `(micro_batches, samples, nonfinite micro-batches)` the
                 window held, int64.
@@ -103,7 +104,7 @@ class AccumulationSummaries:
                     name="summary_accumulator_norms",
                 )
         norms = tf.stack(
-            [tf.sqrt(_squared_norm([g])) / unscale for g, _ in present]
+            [_unscaled(tf.sqrt(_squared_norm([g])), unscale) for g, _ in present]
         )
         micro_batches = tf.cast(window[0], tf.float64)
         counted = tf.cast(window[0] - window[2], tf.float64)  # finite ones
@@ -229,6 +230,10 @@ def _write_scalar(tag, value, step, summary_metadata):
     return tf.summary.write(
         tag, value, step=step, metadata=summary_metadata.SerializeToString()
     )
+
+
+def _unscaled(value, unscale):
+    return value if unscale is None else value / unscale
 
 
 def _squared_norm(grads):

@@ -44,7 +44,7 @@ function normalize(run, series, events) {
   return {
     run,
     steps: series.steps,
-    sampled: series.sampled ?? series.stored ?? series.steps.length,
+    sampled: series.sampled,
     applied: column('applied_gradient_norm'),
     mean: column('micro_norm_mean'),
     max: column('micro_norm_max'),
