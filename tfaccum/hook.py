@@ -6,6 +6,9 @@ callback's epoch bookkeeping).
 """
 
 import collections
+import contextlib
+import dataclasses
+import threading
 import warnings
 
 import tensorflow as tf
@@ -53,6 +56,15 @@ def check_reduction(reduction):
             f"Received: reduction={reduction!r}"
         )
     return reduction
+
+
+@dataclasses.dataclass
+class _Step:
+    """One micro-step being traced: its sample count and the calls it made."""
+
+    samples: object
+    applies: list = dataclasses.field(default_factory=list)
+    scales: list = dataclasses.field(default_factory=list)
 
 
 def _count_samples(data):
@@ -158,14 +170,6 @@ class AccumulationHook:
                 f"{type(optimizer).__name__}(gradient_accumulation_steps="
                 f"{built_in})"
             )
-        replicas = model.distribute_strategy.num_replicas_in_sync
-        if replicas > 1:
-            raise ValueError(
-                "Gradient accumulation under a `tf.distribute` strategy with "
-                "several replicas is not supported yet. Received: model "
-                f"{model.name!r} under {type(model.distribute_strategy).__name__} "
-                f"with {replicas} replicas. Train on one device for now."
-            )
         existing = AccumulationHook.installed_on(model)
         if existing is not None:
             raise ValueError(
@@ -182,22 +186,53 @@ class AccumulationHook:
             )
         if skip_nonfinite is None:
             skip_nonfinite = _keras.scales_loss_dynamically(optimizer)
+        self._strategy = model.distribute_strategy
+        self._replicas = self._strategy.num_replicas_in_sync
+        if self._replicas > 1:
+            unsupported = [
+                name
+                for name, used in (
+                    ("skip_nonfinite (and mixed precision)", skip_nonfinite),
+                    ("summaries (log_dir)", summaries is not None),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{' and '.join(unsupported)} with several replicas is not "
+                    f"supported yet. Received: model {model.name!r} under "
+                    f"{type(self._strategy).__name__} with {self._replicas} "
+                    "replicas. Accumulate on one device for those, or leave "
+                    "them off."
+                )
         self.skip_nonfinite = skip_nonfinite
         self.summaries = summaries
         self._optimizer = optimizer
         self._accumulators = {}  # id(variable) -> accumulator variable
+        self._local = threading.local()  # the `_Step` being traced, per thread
+        self._patch_lock = threading.Lock()
+        self._patch_depth = 0
         self._applied = None  # (variables, has_gradient) seen when tracing
         self._train_function = None
         self._flush_function = None
         self._drop_function = None
-        with tf.init_scope():
+        with tf.init_scope(), self._strategy.scope():
             self._steps = tf.Variable(
                 tf.ones((), tf.int64), trainable=False, name="accumulation_steps"
             )
             # One vector, so that a micro-step updates all it counts at once.
+            # With several replicas each keeps its own, read as their sum:
+            # samples from every replica, the other counts from the first.
             self._counts = tf.Variable(
-                tf.zeros((len(_COUNTS),), tf.int64), trainable=False, name="counts"
+                tf.zeros((len(_COUNTS),), tf.int64),
+                trainable=False,
+                name="counts",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
             )
+            if model.built:
+                for variable in model.trainable_variables:
+                    self._accumulator(variable)
         self.set_accumulation_steps(accumulation_steps)
         self.installed = False
         self._install()
@@ -258,8 +293,11 @@ class AccumulationHook:
                 f"model {self.model.name!r} was recompiled or changed since. "
                 "Create a new one with `tfaccum.install_accumulation_hook()`."
             )
-        self._reset_window()
+        for accumulator in self._accumulators.values():
+            accumulator.assign(tf.zeros_like(accumulator))
         self._counts.assign(tf.zeros_like(self._counts))
+        if self.summaries is not None:
+            self.summaries.on_window_reset()
         self._install()
 
     def remove(self):
@@ -358,39 +396,12 @@ class AccumulationHook:
     # -- the per-step graph ---------------------------------------------------
 
     def _train_step(self, data):
-        samples = _count_samples(data)
-        optimizer = self._optimizer
-        applies, scales = [], []
-
-        def accumulating_apply(grads, trainable_variables=None):
-            if trainable_variables is None:
-                trainable_variables = optimizer._trainable_variables
-            applies.append(None)
-            self._accumulate(
-                list(grads), list(trainable_variables), samples, bool(scales)
-            )
-
-        def sample_weighting_scale_loss(loss):
-            # Weighting the loss by the sample count weights every gradient
-            # at once: cheaper than scaling each accumulated gradient.
-            scales.append(None)
-            loss = original_scale_loss(loss)
-            return loss * tf.cast(samples, loss.dtype)
-
-        # Patched only while the step runs (in graph mode: while it traces).
-        patches = {"apply": accumulating_apply}
-        if self.reduction == "samples" and not _keras.scales_loss_dynamically(
-            optimizer
-        ):
-            original_scale_loss = optimizer.scale_loss
-            patches["scale_loss"] = sample_weighting_scale_loss
-        for name, patch in patches.items():
-            object.__setattr__(optimizer, name, patch)
-        try:
+        step = _Step(samples=_count_samples(data))
+        # MirroredStrategy traces the step of each replica in its own thread.
+        self._local.step = step
+        with self._patched_optimizer():
             logs = self._original_train_step(data)
-        finally:
-            for name in patches:
-                object.__delattr__(optimizer, name)
+        applies, scales = step.applies, step.scales
         if len(applies) != 1 or len(scales) > 1:
             self._uninstall()  # `fit` stops here; leave a plain model behind.
             raise RuntimeError(
@@ -406,14 +417,69 @@ class AccumulationHook:
             )
         return logs
 
+    @contextlib.contextmanager
+    def _patched_optimizer(self):
+        """Routes the optimizer's `apply` (and `scale_loss`) to this hook.
+
+        Patched only while steps run (in graph mode: while they trace), once
+        for all replicas' threads, each of which finds its own `_Step`.
+        """
+        optimizer = self._optimizer
+        patches = {"apply": self._accumulating_apply}
+        if self.reduction == "samples" and not _keras.scales_loss_dynamically(
+            optimizer
+        ):
+            patches["scale_loss"] = self._sample_weighting_scale_loss
+        with self._patch_lock:
+            if not self._patch_depth:
+                for name, patch in patches.items():
+                    object.__setattr__(optimizer, name, patch)
+            self._patch_depth += 1
+        try:
+            yield
+        finally:
+            with self._patch_lock:
+                self._patch_depth -= 1
+                if not self._patch_depth:
+                    for name in patches:
+                        object.__delattr__(optimizer, name)
+
+    def _accumulating_apply(self, grads, trainable_variables=None):
+        step = self._local.step
+        if trainable_variables is None:
+            trainable_variables = self._optimizer._trainable_variables
+        step.applies.append(None)
+        self._accumulate(
+            list(grads), list(trainable_variables), step.samples, bool(step.scales)
+        )
+
+    def _sample_weighting_scale_loss(self, loss):
+        # Weighting the loss by the sample count weights every gradient at
+        # once: cheaper than scaling each accumulated gradient.
+        step = self._local.step
+        step.scales.append(None)
+        loss = type(self._optimizer).scale_loss(self._optimizer, loss)
+        return loss * tf.cast(step.samples, loss.dtype)
+
     def _accumulator(self, variable):
         key = id(variable)
         if key not in self._accumulators:
-            with tf.init_scope():
+            if self._replicas > 1 and not tf.executing_eagerly():
+                raise ValueError(
+                    f"Variable {variable.name!r} received a gradient but is "
+                    "not among the model's trainable variables. With several "
+                    "replicas, accumulators are made when the hook is "
+                    "installed, from `model.trainable_variables`."
+                )
+            with tf.init_scope(), self._strategy.scope():
+                # Each replica sums its own gradients; Keras' optimizer
+                # all-reduces them once, when the window is applied.
                 self._accumulators[key] = tf.Variable(
                     tf.zeros(variable.shape, _accumulator_dtype(variable)),
                     trainable=False,
                     name="accumulated_gradient",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
                 )
         return self._accumulators[key]
 
@@ -433,9 +499,9 @@ class AccumulationHook:
 
         def add():
             self._add_to_window(grads, variables, samples, weighted_by_loss)
-            return tf.constant(_MICRO_STEP, tf.int64) + samples * tf.constant(
-                _SAMPLE, tf.int64
-            )
+            return self._first_replica_only(
+                tf.constant(_MICRO_STEP, tf.int64)
+            ) + samples * tf.constant(_SAMPLE, tf.int64)
 
         if self.skip_nonfinite:
             # A non-finite micro-batch is left out; the window goes on.
@@ -447,12 +513,41 @@ class AccumulationHook:
         # `get_next()` fails (Keras' own `optimizer.iterations` can, and
         # counts a phantom step per epoch that way).
         self._counts.assign_add(delta)
+        if self._replicas > 1:
+            # Keras' optimizer calls `merge_call`, which a `tf.cond` in a
+            # replica context cannot hold (keras-team/keras#20582): decide in
+            # the cross-replica context, as LossScaleOptimizer does.
+            tf.distribute.get_replica_context().merge_call(
+                self._end_window_if_full_on_replicas
+            )
+            return
         applied = tf.cond(
             self._counts[_WINDOW_MICRO] >= self._steps,
             self._end_window,
             lambda: tf.constant(False),
         )
         _keep_as_function_call(applied)
+
+    def _first_replica_only(self, delta):
+        """`delta` on the first replica, zero on the others (counts are summed)."""
+        if self._replicas == 1:
+            return delta
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return delta * tf.cast(tf.equal(replica, 0), delta.dtype)
+
+    def _end_window_if_full_on_replicas(self, strategy):
+        window = self._counts.read_value()[:_WINDOW]  # summed over replicas
+        return tf.cond(
+            window[_WINDOW_MICRO] >= self._steps,
+            lambda: self._apply_on_replicas(window),
+            lambda: tf.constant(False),
+        )
+
+    def _apply_on_replicas(self, window, **extra_counts):
+        self._strategy.extended.call_for_each_replica(
+            self._apply_window, kwargs=dict(window=window, **extra_counts)
+        )
+        return tf.constant(True)
 
     def _add_to_window(self, grads, variables, samples, weighted_by_loss):
         weighted = self.reduction == "samples" and not weighted_by_loss
@@ -509,13 +604,23 @@ class AccumulationHook:
             lambda: self._reset_window(window) or tf.constant(False),
         )
 
-    def _apply_window(self, **extra_counts):
-        """Applies the normalised window through the optimizer, then resets."""
+    def _apply_window(self, window=None, **extra_counts):
+        """Applies the normalised window through the optimizer, then resets.
+
+        With several replicas this runs on each, `window` holding the counts
+        of all of them; the optimizer sums the replicas' gradients.
+        """
         variables, has_gradient = self._applied
-        counts = self._counts.read_value()
-        window = counts[:_WINDOW]
+        counts = self._counts.read_value()  # this replica's
+        local = counts[:_WINDOW]
+        if window is None:
+            window = local
         if self.reduction == "samples":
+            # Keras divides each replica's loss by the number of replicas
+            # and sums their gradients: undo the first, let it do the second.
             denominator = window[_WINDOW_SAMPLES]
+            if self._replicas > 1:
+                denominator = tf.cast(denominator, tf.float64) / self._replicas
         elif self.reduction == "mean":
             denominator = window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE]
         else:
@@ -544,7 +649,7 @@ class AccumulationHook:
                 nonfinite=counts[_COUNTS.index("nonfinite_skips")],
                 prefix=self.model.name + "/",
             )
-        self._reset_window(window, optimizer_steps=1, **extra_counts)
+        self._reset_window(local, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
     def _reset_window(self, window=None, **extra_counts):
@@ -560,8 +665,8 @@ class AccumulationHook:
                 window_micro_steps=-window[_WINDOW_MICRO],
                 window_samples=-window[_WINDOW_SAMPLES],
                 window_nonfinite=-window[_WINDOW_NONFINITE],
-                **extra_counts,
             )
+            + self._first_replica_only(_count_delta(**extra_counts))
         )
 
     # -- host-triggered window ends -----------------------------------------
@@ -573,17 +678,21 @@ class AccumulationHook:
 
     def _flush_graph(self):
         window = self._counts.read_value()[:_WINDOW]
-        tf.cond(
-            window[_WINDOW_MICRO] > 0,
-            lambda: self._end_window(flushes=1),
-            lambda: tf.constant(False),
-        )
+        if self._replicas > 1:
+            apply = lambda: self._apply_on_replicas(window, flushes=1)  # noqa: E731
+        else:
+            apply = lambda: self._end_window(flushes=1)  # noqa: E731
+        tf.cond(window[_WINDOW_MICRO] > 0, apply, lambda: tf.constant(False))
         return window[:2]
 
     def _drop_graph(self):
         window = self._counts.read_value()[:_WINDOW]
-        self._reset_window(window, dropped_micro_steps=window[_WINDOW_MICRO])
+        self._strategy.extended.call_for_each_replica(self._drop_on_replica)
         return window[:2]
+
+    def _drop_on_replica(self):
+        local = self._counts.read_value()[:_WINDOW]
+        self._reset_window(local, dropped_micro_steps=local[_WINDOW_MICRO])
 
     def flush(self):
         """Applies a partial window now, normalised by what it holds.
@@ -595,7 +704,8 @@ class AccumulationHook:
             return Window(0, 0)
         if self._flush_function is None:
             self._flush_function = self._compile(self._flush_graph)
-        micro_batches, samples = self._flush_function()
+        with self._strategy.scope():
+            micro_batches, samples = self._flush_function()
         return Window(int(micro_batches), int(samples))
 
     def drop(self):
@@ -608,7 +718,8 @@ class AccumulationHook:
             return Window(0, 0)
         if self._drop_function is None:
             self._drop_function = self._compile(self._drop_graph)
-        micro_batches, samples = self._drop_function()
+        with self._strategy.scope():
+            micro_batches, samples = self._drop_function()
         return Window(int(micro_batches), int(samples))
 
 
