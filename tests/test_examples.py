@@ -60,3 +60,15 @@ def test_quickstart_writes_the_demo_dashboard(tmp_path):
 
     runs = plugin.runs_impl(context.RequestContext(), "")["runs"]
     assert [(r["run"], r["updates"]) for r in runs] == [("16x4", 22), ("8x8", 22)]
+
+
+def test_distributed_benchmark_counts_reductions():
+    out = run("benchmarks/distributed.py", "--rounds", "1", "--samples", "512", "--width", "32")
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in out.splitlines() if line.startswith("| ") and "variant" not in line}
+    # 512 samples / micro-batch 16 = 32 micro-steps; windows of 8 = 4 updates.
+    # Keras' built-in accumulation fails there today (keras-team/keras#20582);
+    # if a Keras release fixes it, its row appears instead of the failure.
+    keras_row = rows.pop("keras", None)
+    assert rows == {"tfaccum": "4", "micro": "32", "large": "4"}
+    assert keras_row is not None or "keras: fails under MirroredStrategy" in out

@@ -224,3 +224,38 @@ def test_repr():
     hook = install_accumulation_hook(make_model(), accumulation_steps=3, reduction="mean")
     assert repr(hook).startswith("AccumulationHook(model='sequential")
     assert "accumulation_steps=3, reduction='mean', installed=True, micro_steps=0" in repr(hook)
+
+
+class TwoOptimizerModel(keras.Model):
+    """A GAN-like step: two optimizers, neither of them `self.optimizer`."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.layers.Dense(5)
+        self.discriminator = keras.layers.Dense(1)
+        self.g_optimizer = keras.optimizers.Adam()
+        self.d_optimizer = keras.optimizers.Adam()
+
+    def call(self, x):
+        return self.discriminator(self.generator(x))
+
+    def train_step(self, data):
+        x, y = data
+        for layer, optimizer in ((self.discriminator, self.d_optimizer),
+                                 (self.generator, self.g_optimizer)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            grads = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        return {"loss": loss}
+
+
+def test_two_optimizers_get_an_error_that_says_what_is_supported():
+    x, y = make_data()
+    model = TwoOptimizerModel()
+    model(x[:1])
+    model.compile()  # Keras gives it a default `self.optimizer` it never uses
+    with pytest.raises(RuntimeError, match=r"0 times.*several optimizers, is not supported"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
+    assert "train_step" not in model.__dict__
