@@ -30,9 +30,13 @@ class CountingReduction(tf.distribute.ReductionToOneDevice):
 
 
 def mirrored(cross_device_ops=None):
+    """Two replicas. Reductions go through one device: TensorFlow's collective
+    ops (the CPU default) clash between several strategies in one process,
+    with or without tfaccum."""
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     assert len(devices) == 2, "conftest configures two logical CPUs"
-    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=cross_device_ops or tf.distribute.ReductionToOneDevice())
 
 
 def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, **callback_kwargs):

@@ -1,6 +1,8 @@
 """tfaccum: exact, observable gradient accumulation for Keras 3 / TensorFlow."""
 
 from tfaccum.callback import GradientAccumulationCallback
+from tfaccum.layers import AccumBatchNormalization
+from tfaccum.layers import convert_batch_norm
 from tfaccum.hook import AccumulationHook
 from tfaccum.hook import Window
 from tfaccum.hook import install_accumulation_hook
@@ -9,9 +11,11 @@ from tfaccum.hook import remove_accumulation_hook
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumBatchNormalization",
     "AccumulationHook",
     "GradientAccumulationCallback",
     "Window",
+    "convert_batch_norm",
     "install_accumulation_hook",
     "remove_accumulation_hook",
 ]

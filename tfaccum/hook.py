@@ -14,6 +14,7 @@ import warnings
 import tensorflow as tf
 
 from tfaccum import _keras
+from tfaccum.layers import accumulating_layers
 
 REDUCTIONS = ("samples", "mean", "sum")
 
@@ -233,6 +234,11 @@ class AccumulationHook:
             if model.built:
                 for variable in model.trainable_variables:
                     self._accumulator(variable)
+        # AccumBatchNormalization layers pool their statistics per window.
+        self._windowed_layers = [
+            (layer, layer._new_window(self._strategy))
+            for layer in accumulating_layers(model)
+        ]
         self.set_accumulation_steps(accumulation_steps)
         self.installed = False
         self._install()
@@ -262,6 +268,8 @@ class AccumulationHook:
         self._original_train_step = model.train_step
         object.__setattr__(model, "train_step", self._train_step)
         object.__setattr__(model, _HOOK_ATTRIBUTE, self)
+        for layer, window in self._windowed_layers:
+            layer._set_window(window)
         if self._train_function is None:
             model.make_train_function(force=True)
             self._train_function = model.train_function
@@ -295,6 +303,8 @@ class AccumulationHook:
             )
         for accumulator in self._accumulators.values():
             accumulator.assign(tf.zeros_like(accumulator))
+        for _, pooled in self._windowed_layers:
+            pooled.reset()
         self._counts.assign(tf.zeros_like(self._counts))
         if self.summaries is not None:
             self.summaries.on_window_reset()
@@ -321,6 +331,8 @@ class AccumulationHook:
         if self._had_own_train_step:
             object.__setattr__(model, "train_step", self._original_train_step)
         object.__delattr__(model, _HOOK_ATTRIBUTE)
+        for layer, _ in self._windowed_layers:
+            layer._set_window(None)
         # The next `fit` (or `train_on_batch`) builds a plain train function.
         model.train_function = None
         self.installed = False
@@ -637,6 +649,8 @@ class AccumulationHook:
         if self.summaries is not None:
             unscale = _keras.loss_scale(self._optimizer)  # before apply changes it
         type(self._optimizer).apply(self._optimizer, grads, variables)
+        for layer, _ in self._windowed_layers:
+            layer._apply_window_moments()
         if self.summaries is not None:
             self.summaries.on_update(
                 grads,
@@ -656,6 +670,8 @@ class AccumulationHook:
         """Zeroes the accumulators and takes `window` off the window counts."""
         for accumulator in self._accumulators.values():
             accumulator.assign(tf.zeros_like(accumulator))
+        for _, pooled in self._windowed_layers:
+            pooled.reset()
         if self.summaries is not None:
             self.summaries.on_window_reset()
         if window is None:

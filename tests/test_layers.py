@@ -1,0 +1,234 @@
+"""AccumBatchNormalization and convert_batch_norm."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_data
+from conftest import max_weight_diff
+
+import tfaccum
+from tfaccum import AccumBatchNormalization
+from tfaccum import GradientAccumulationCallback
+
+TOL = 1e-5
+
+
+def bn_model(layer_class, input_shape=(5,), seed=1, **bn_kwargs):
+    """The BN layer sees the data itself, so its statistics do not depend on
+    how the other weights trained: they must match the large batch exactly."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input(input_shape),
+        layer_class(momentum=0.8, **bn_kwargs),
+        keras.layers.Flatten(),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def moving_statistics(model):
+    layer = model.layers[0]
+    return np.array(layer.moving_mean), np.array(layer.moving_variance)
+
+
+def assert_statistics_equal(a, b):
+    for u, v in zip(moving_statistics(a), moving_statistics(b)):
+        np.testing.assert_allclose(u, v, atol=TOL, rtol=TOL)
+
+
+def shifted_data(n=100, seed=0):
+    """Features whose scale and offset differ: micro-batch means vary."""
+    x, y = make_data(n=n, seed=seed)
+    return x * np.arange(1, 6, dtype="float32") + np.arange(5, dtype="float32"), y
+
+
+@pytest.mark.parametrize("leftover", ["flush", "drop"])
+def test_moving_statistics_equal_the_large_batch(leftover):
+    x, y = shifted_data()  # 100 samples: a short last micro-batch, a partial window
+    reference = bn_model(keras.layers.BatchNormalization)
+    xs, ys = (x[:96], y[:96]) if leftover == "drop" else (x, y)
+    reference.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    model = bn_model(AccumBatchNormalization)
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4, leftover=leftover)])
+    assert_statistics_equal(reference, model)
+    # Plain BatchNormalization at micro-batches ends elsewhere.
+    plain = bn_model(keras.layers.BatchNormalization)
+    plain.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert np.abs(moving_statistics(plain)[1] - moving_statistics(reference)[1]).max() > 1e-2
+
+
+def test_pooled_variance_includes_the_variance_between_micro_batches():
+    """Two micro-batches with different means: their average variance is not it."""
+    layer = AccumBatchNormalization(momentum=0.0)
+    layer.build((None, 1))
+    window = layer._new_window(tf.distribute.get_strategy())
+    layer._set_window(window)
+    layer(np.array([[0.0], [2.0]], "float32"), training=True)  # mean 1, variance 1
+    layer(np.array([[10.0], [12.0], [14.0]], "float32"), training=True)  # mean 12, var 8/3
+    layer._apply_window_moments()
+    everything = np.array([0, 2, 10, 12, 14], "float32")
+    np.testing.assert_allclose(np.array(layer.moving_mean), [everything.mean()], rtol=1e-6)
+    np.testing.assert_allclose(np.array(layer.moving_variance), [everything.var()], rtol=1e-6)
+    assert everything.var() > (1 + 8 / 3) / 2 * 5  # far above the mean of the variances
+
+
+def test_without_the_callback_it_is_batch_normalization():
+    x, y = shifted_data()
+    reference = bn_model(keras.layers.BatchNormalization)
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = bn_model(AccumBatchNormalization)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_diff(reference, model) == 0
+    np.testing.assert_array_equal(model.predict(x, verbose=0), reference.predict(x, verbose=0))
+
+
+def test_same_arguments_defaults_and_config():
+    plain = keras.layers.BatchNormalization(axis=1, momentum=0.9, epsilon=1e-4, center=False)
+    ours = AccumBatchNormalization(axis=1, momentum=0.9, epsilon=1e-4, center=False)
+    assert ours.get_config() | {"name": None} == plain.get_config() | {"name": None}
+    defaults = AccumBatchNormalization().get_config()
+    assert {k: v for k, v in defaults.items() if k != "name"} == {
+        k: v for k, v in keras.layers.BatchNormalization().get_config().items() if k != "name"}
+
+
+def test_any_axis():
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(100, 3, 4)) * [[1], [5], [10]]).astype("float32")
+    y = rng.normal(size=(100, 1)).astype("float32")
+    reference = bn_model(keras.layers.BatchNormalization, input_shape=(3, 4), axis=1)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = bn_model(AccumBatchNormalization, input_shape=(3, 4), axis=1)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert moving_statistics(model)[0].shape == (3,)
+    assert_statistics_equal(reference, model)
+
+
+def test_masks():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 6, 2)).astype("float32") + 3.0
+    lengths = rng.integers(1, 7, size=100)
+    x[np.arange(6)[None, :] >= lengths[:, None]] = 0.0  # padding, masked out
+    y = rng.normal(size=(100, 1)).astype("float32")
+
+    def masked_model(layer_class):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([
+            keras.Input((6, 2)),
+            keras.layers.Masking(0.0),
+            layer_class(momentum=0.8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    reference = masked_model(keras.layers.BatchNormalization)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = masked_model(AccumBatchNormalization)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    for a, b in ((reference.layers[1], model.layers[1]),):
+        np.testing.assert_allclose(np.array(a.moving_mean), np.array(b.moving_mean), atol=1e-4)
+        np.testing.assert_allclose(np.array(a.moving_variance), np.array(b.moving_variance), atol=1e-4)
+
+
+def test_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = shifted_data()
+        reference = bn_model(keras.layers.BatchNormalization)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        model = bn_model(AccumBatchNormalization)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+        # float16 inputs: statistics agree to float16 rounding of the data.
+        for u, v in zip(moving_statistics(reference), moving_statistics(model)):
+            np.testing.assert_allclose(u, v, rtol=2e-3, atol=2e-3)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_save_and_load(tmp_path):
+    x, y = shifted_data()
+    model = bn_model(AccumBatchNormalization)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)  # registered: no custom_objects
+    assert isinstance(loaded.layers[0], AccumBatchNormalization)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert len(loaded.layers[0].weights) == 4  # gamma, beta, moving mean and variance
+
+
+def test_convert_batch_norm():
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3)(inputs)
+    h = keras.layers.BatchNormalization(momentum=0.7)(h)
+    h = keras.layers.ReLU()(h)
+    h = keras.layers.Conv2D(4, 3)(h)
+    h = keras.layers.BatchNormalization(epsilon=1e-2)(h)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    x = np.random.default_rng(0).normal(size=(16, 8, 8, 3)).astype("float32")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, np.zeros((16, 2)), epochs=1, verbose=0)  # non-trivial moving statistics
+    converted = tfaccum.convert_batch_norm(model)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds.count("AccumBatchNormalization") == 2 and "BatchNormalization" not in kinds
+    for old, new in zip(model.layers, converted.layers):
+        if isinstance(old, keras.layers.BatchNormalization):
+            assert new.get_config() | {"name": None} == old.get_config() | {"name": None}
+    np.testing.assert_allclose(converted.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    assert converted is not model and isinstance(model.layers[2], keras.layers.BatchNormalization)
+
+
+def test_convert_batch_norm_refuses_subclassed_models():
+    class Net(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="copies Sequential and functional models. Received: a Net"):
+        tfaccum.convert_batch_norm(Net())
+
+
+def test_renorm_is_refused_under_accumulation():
+    x, y = shifted_data(n=16)
+    model = bn_model(AccumBatchNormalization, renorm=True)
+    with pytest.raises(ValueError, match=r"`renorm=True` is not supported under gradient accumulation"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
+
+
+def test_under_mirrored_strategy_each_replica_pools_its_own_window():
+    """Runs and stays finite; the statistics follow Keras' own layer there,
+    which keeps each replica's share (not the single-device statistics)."""
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    x, y = shifted_data()
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())  # see test_distribution
+    with strategy.scope():
+        model = bn_model(AccumBatchNormalization)
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    mean, variance = moving_statistics(model)
+    assert callback.optimizer_steps == 8
+    assert np.all(np.isfinite(mean)) and np.all(variance > 0)
+    assert np.abs(mean).max() > 0.1  # it moved from its initial zeros
+
+
+def test_synchronized_with_several_replicas_is_refused():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    x, y = shifted_data(n=16)
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = bn_model(AccumBatchNormalization, synchronized=True)
+    with pytest.raises(ValueError, match=r"`synchronized=True` with several replicas is not supported"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
