@@ -30,6 +30,7 @@ UPDATE_SERIES = (
     ("micro_steps", Kind.MICRO_STEPS),
     ("skipped_updates", Kind.SKIPPED_UPDATES),
     ("nonfinite_skips", Kind.NONFINITE_SKIPS),
+    ("noise_scale", Kind.NOISE_SCALE),
 )
 # Series written once per leftover event.
 LEFTOVER_SERIES = (
@@ -49,6 +50,7 @@ _DESCRIPTIONS = {
     Kind.MICRO_STEPS: "Micro-steps trained so far in this fit.",
     Kind.SKIPPED_UPDATES: "Micro-steps so far in this fit that did not update the optimizer.",
     Kind.NONFINITE_SKIPS: "Micro-batches so far left out of their window for non-finite gradients.",
+    Kind.NOISE_SCALE: "Gradient noise scale B_simple (McCandlish et al. 2018), smoothed.",
     Kind.LEFTOVER_POLICY: "Partial window at an epoch's or fit's end: 0 flushed, 1 carried, 2 dropped.",
     Kind.LEFTOVER_MICRO_BATCHES: "Micro-batches the partial window held.",
     Kind.LEFTOVER_SAMPLES: "Samples the partial window held.",

@@ -1,5 +1,7 @@
 """GradientAccumulationCallback against the large-batch reference."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -310,14 +312,16 @@ def test_verbose_prints_epoch_summary(capsys):
               callbacks=[GradientAccumulationCallback(accumulation_steps=4, verbose=1)])
     out = capsys.readouterr().out
     assert ("Epoch 1: 13 micro-steps, 4 optimizer updates (accumulation_steps=4); "
-            "flushed a partial window of 1 micro-batches (4 samples).") in out
+            "flushed a partial window of 1 micro-batches (4 samples); noise scale "
+            "B_simple=") in out
+    assert re.search(r"B_simple=[-\d.e+]+ \(suggests accumulation_steps=\d+\)\.", out)
 
 
 def test_repr_and_config():
     callback = GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, leftover="carry")
     assert repr(callback) == ("GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, "
                               "reduction='samples', leftover='carry', verbose=0, skip_nonfinite=None, "
-                              "log_dir=None, scalars=False)")
+                              "noise_scale=None, log_dir=None, scalars=False)")
     assert GradientAccumulationCallback(**callback.get_config()).get_config() == callback.get_config()
 
 

@@ -112,6 +112,7 @@ def test_leftover_drop_and_carry_under_mirrored():
     [
         (dict(log_dir="unused"), r"summaries \(log_dir\) with several replicas is not supported yet"),
         (dict(skip_nonfinite=True), r"skip_nonfinite \(and mixed precision\) with several replicas"),
+        (dict(noise_scale=True), r"the noise scale with several replicas is not supported yet"),
     ],
 )
 def test_unsupported_combinations_are_refused(kwargs, message):

@@ -7,6 +7,7 @@ import warnings
 from tfaccum import _keras
 from tfaccum.hook import AccumulationHook
 from tfaccum.hook import check_reduction
+from tfaccum.noise_scale import NoiseScaleEstimator
 from tfaccum.schedule import AccumulationSchedule
 from tfaccum.summary import AccumulationSummaries
 
@@ -75,6 +76,14 @@ class GradientAccumulationCallback(_keras.Callback):
             loss scale is halved too, as Keras does. Defaults to `None`: on
             under mixed precision (`LossScaleOptimizer`), where overflow is
             expected, off in float32, where it usually means divergence.
+        noise_scale: Estimate the gradient noise scale B_simple (McCandlish et
+            al. 2018), the batch size beyond which more accumulation stops
+            paying, from the micro-batch and window gradients it already has;
+            read it as `callback.noise_scale` and
+            `callback.suggested_accumulation_steps`. Defaults to `None`: on
+            with one replica (windows of one micro-batch give no estimate);
+            `True` insists, and is an error where it cannot be estimated
+            (`accumulation_steps=1`, several replicas); `False` turns it off.
         log_dir: Directory for TensorBoard summaries of every optimizer
             update and leftover event, shown in the "Accumulation" tab
             (`tensorboard --logdir <parent>`). Defaults to `None` (no
@@ -109,6 +118,7 @@ class GradientAccumulationCallback(_keras.Callback):
         leftover="flush",
         verbose=0,
         skip_nonfinite=None,
+        noise_scale=None,
         log_dir=None,
         scalars=False,
         **kwargs,
@@ -121,6 +131,7 @@ class GradientAccumulationCallback(_keras.Callback):
                 "leftover",
                 "verbose",
                 "skip_nonfinite",
+                "noise_scale",
                 "log_dir",
                 "scalars",
             ],
@@ -135,12 +146,26 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
-        if skip_nonfinite not in (None, True, False):
+        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
             raise TypeError(
                 "`skip_nonfinite` must be None, True or False. "
                 f"Received: skip_nonfinite={skip_nonfinite!r}"
             )
         self.skip_nonfinite = skip_nonfinite
+        if noise_scale is not None and not isinstance(noise_scale, bool):
+            raise TypeError(
+                "`noise_scale` must be None, True or False. "
+                f"Received: noise_scale={noise_scale!r}"
+            )
+        if noise_scale is True and accumulation_steps == 1 and self.schedule.is_constant:
+            raise ValueError(
+                "The noise scale compares gradients at two batch sizes, the "
+                "micro-batch and the window: it needs `accumulation_steps` >= 2. "
+                "Received: noise_scale=True with accumulation_steps=1. Pass "
+                "noise_scale=False, or accumulate."
+            )
+        self.noise_scale_option = noise_scale
+        self.estimator = None  # a NoiseScaleEstimator once fit starts
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
                 "`log_dir` must be a path (str or os.PathLike) or None. "
@@ -186,6 +211,18 @@ class GradientAccumulationCallback(_keras.Callback):
     def nonfinite_skips(self):
         return self._count("nonfinite_skips")
 
+    @property
+    def noise_scale(self):
+        """The smoothed gradient noise scale B_simple, or `None` until known."""
+        return None if self.estimator is None else self.estimator.noise_scale
+
+    @property
+    def suggested_accumulation_steps(self):
+        """`accumulation_steps` whose window is closest to `noise_scale`, or `None`."""
+        if self.estimator is None:
+            return None
+        return self.estimator.suggested_accumulation_steps()
+
     def get_config(self):
         return {
             "accumulation_steps": self.accumulation_steps,
@@ -193,6 +230,7 @@ class GradientAccumulationCallback(_keras.Callback):
             "leftover": self.leftover,
             "verbose": self.verbose,
             "skip_nonfinite": self.skip_nonfinite,
+            "noise_scale": self.noise_scale_option,
             "log_dir": self.log_dir,
             "scalars": self.scalars,
         }
@@ -223,12 +261,20 @@ class GradientAccumulationCallback(_keras.Callback):
                 self.summaries = AccumulationSummaries(
                     self.log_dir, scalars=self.scalars
                 )
+            strategy = self.model.distribute_strategy
+            self.estimator = None
+            if self.noise_scale_option or (
+                self.noise_scale_option is None
+                and strategy.num_replicas_in_sync == 1
+            ):
+                self.estimator = NoiseScaleEstimator(strategy)
             self.hook = AccumulationHook(
                 self.model,
                 accumulation_steps=1,  # set from the schedule at each epoch start
                 reduction=self.reduction,
                 skip_nonfinite=self.skip_nonfinite,
                 summaries=self.summaries,
+                noise=self.estimator,
             )
         self._epoch_open = False
         self._unwritten_micro_steps = 0
@@ -236,6 +282,13 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         try:
             steps = self.schedule(epoch)
+            if steps == 1 and self.noise_scale_option:
+                raise ValueError(
+                    "The noise scale compares gradients at two batch sizes: "
+                    "it needs `accumulation_steps` >= 2. Received: "
+                    f"noise_scale=True with accumulation_steps({epoch}) = 1 "
+                    "at the start of that epoch. Pass noise_scale=False."
+                )
         except (TypeError, ValueError):
             self._abandon()
             raise
@@ -279,7 +332,8 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"{self.hook.micro_steps - micro_start} micro-steps, "
                 f"{self.hook.optimizer_steps - updates_start} optimizer updates "
                 f"(accumulation_steps={self.hook.accumulation_steps}); "
-                f"{self._describe_leftover(self._leftover_window)}."
+                f"{self._describe_leftover(self._leftover_window)}"
+                f"{self._describe_noise_scale()}."
             )
 
     def on_train_end(self, logs=None):
@@ -321,6 +375,15 @@ class GradientAccumulationCallback(_keras.Callback):
                 updates=self.hook.optimizer_steps,
                 nonfinite=self.hook.nonfinite_skips,
             )
+
+    def _describe_noise_scale(self):
+        noise_scale = self.noise_scale
+        if noise_scale is None:
+            return ""
+        return (
+            f"; noise scale B_simple={noise_scale:.4g} (suggests "
+            f"accumulation_steps={self.suggested_accumulation_steps})"
+        )
 
     def _describe_leftover(self, window):
         if not window.micro_batches:

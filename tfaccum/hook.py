@@ -15,6 +15,8 @@ import tensorflow as tf
 
 from tfaccum import _keras
 from tfaccum.layers import accumulating_layers
+from tfaccum.norms import squared_norm
+from tfaccum.norms import unscaled
 
 REDUCTIONS = ("samples", "mean", "sum")
 
@@ -124,6 +126,7 @@ class AccumulationHook:
             `LossScaleOptimizer`, where overflow is expected; in float32 a
             non-finite gradient usually means divergence, which should show.
         summaries: An `AccumulationSummaries` that records every update.
+        noise: A `NoiseScaleEstimator` fed every micro-step and update.
 
     Example:
 
@@ -151,6 +154,7 @@ class AccumulationHook:
         reduction="samples",
         skip_nonfinite=None,
         summaries=None,
+        noise=None,
     ):
         if not _keras.is_compiled(model):
             raise ValueError(
@@ -180,7 +184,7 @@ class AccumulationHook:
             )
         self.model = model
         self.reduction = check_reduction(reduction)
-        if skip_nonfinite not in (None, True, False):
+        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
             raise TypeError(
                 "`skip_nonfinite` must be None, True or False. "
                 f"Received: skip_nonfinite={skip_nonfinite!r}"
@@ -195,6 +199,7 @@ class AccumulationHook:
                 for name, used in (
                     ("skip_nonfinite (and mixed precision)", skip_nonfinite),
                     ("summaries (log_dir)", summaries is not None),
+                    ("the noise scale", noise is not None),
                 )
                 if used
             ]
@@ -208,6 +213,7 @@ class AccumulationHook:
                 )
         self.skip_nonfinite = skip_nonfinite
         self.summaries = summaries
+        self.noise = noise
         self._optimizer = optimizer
         self._accumulators = {}  # id(variable) -> accumulator variable
         self._local = threading.local()  # the `_Step` being traced, per thread
@@ -587,12 +593,17 @@ class AccumulationHook:
                 )
             else:
                 accumulator.assign_add(tf.cast(grad, dtype))
-        if self.summaries is not None:
+        if self.summaries is not None or self.noise is not None:
+            # The micro-batch's own gradient norm, one read of the gradients.
             unscale = _keras.loss_scale(self._optimizer)
             if weighted_by_loss:
                 weight = tf.cast(samples, tf.float32)
                 unscale = weight if unscale is None else unscale * weight
-            self.summaries.on_micro_step(grads, unscale)
+            norm = unscaled(tf.sqrt(squared_norm(grads)), unscale)
+            if self.summaries is not None:
+                self.summaries.on_micro_step(norm)
+            if self.noise is not None:
+                self.noise.on_micro_step(norm, samples)
 
     def _leave_out(self):
         """Counts a non-finite micro-batch; lowers a dynamic loss scale."""
@@ -646,11 +657,18 @@ class AccumulationHook:
             if denominator is not None:
                 grad = grad / tf.cast(denominator, grad.dtype)
             grads.append(tf.cast(grad, variable.dtype))
-        if self.summaries is not None:
+        observed = self.summaries is not None or self.noise is not None
+        if observed:
             unscale = _keras.loss_scale(self._optimizer)  # before apply changes it
         type(self._optimizer).apply(self._optimizer, grads, variables)
         for layer, _ in self._windowed_layers:
             layer._apply_window_moments()
+        if self.noise is not None:
+            self.noise.on_update(
+                unscaled(squared_norm(grads), None if unscale is None else unscale**2),
+                samples=window[_WINDOW_SAMPLES],
+                micro_batches=window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE],
+            )
         if self.summaries is not None:
             self.summaries.on_update(
                 grads,
@@ -661,6 +679,7 @@ class AccumulationHook:
                 micro_steps=counts[_COUNTS.index("micro_steps")],
                 updates=counts[_COUNTS.index("optimizer_steps")] + 1,
                 nonfinite=counts[_COUNTS.index("nonfinite_skips")],
+                noise_scale=None if self.noise is None else self.noise.current(),
                 prefix=self.model.name + "/",
             )
         self._reset_window(local, optimizer_steps=1, **extra_counts)
@@ -674,6 +693,8 @@ class AccumulationHook:
             pooled.reset()
         if self.summaries is not None:
             self.summaries.on_window_reset()
+        if self.noise is not None:
+            self.noise.on_window_reset()
         if window is None:
             window = self._counts.read_value()[:_WINDOW]
         self._counts.assign_add(

@@ -12,11 +12,14 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
+from tfaccum.norms import squared_norm
+from tfaccum.norms import unscaled
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
 _COLUMNS = ("step",) + _SERIES
 _PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
+_OPTIONAL = (metadata.TAG_PREFIX + "noise_scale",)
 
 
 class AccumulationSummaries:
@@ -60,10 +63,8 @@ class AccumulationSummaries:
 
     # -- inside the train step ------------------------------------------------
 
-    def on_micro_step(self, grads, unscale=None):
-        """Adds one micro-batch's gradient norm; `unscale` undoes any scaling."""
-        # Few, cheap ops: this runs every micro-step.
-        norm = _unscaled(tf.sqrt(_squared_norm(grads)), unscale)
+    def on_micro_step(self, norm):
+        """Adds one micro-batch's gradient norm (few ops: every micro-step)."""
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
 
@@ -77,6 +78,7 @@ class AccumulationSummaries:
         micro_steps,
         updates,
         nonfinite,
+        noise_scale=None,
         prefix="",
     ):
         """Buffers one row for an optimizer update.
@@ -92,6 +94,8 @@ class AccumulationSummaries:
             micro_steps: Micro-steps so far in this fit, int64.
             updates: Optimizer updates so far in this fit, including this one.
             nonfinite: Micro-batches left out so far in this fit, int64.
+            noise_scale: The current B_simple estimate (NaN while undefined),
+                or None when it is not estimated.
             prefix: Left off the variables' paths (the model's name).
         """
         present = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -104,7 +108,7 @@ class AccumulationSummaries:
                     name="summary_accumulator_norms",
                 )
         norms = tf.stack(
-            [_unscaled(tf.sqrt(_squared_norm([g])), unscale) for g, _ in present]
+            [unscaled(tf.sqrt(squared_norm([g])), unscale) for g, _ in present]
         )
         micro_batches = tf.cast(window[0], tf.float64)
         counted = tf.cast(window[0] - window[2], tf.float64)  # finite ones
@@ -119,6 +123,9 @@ class AccumulationSummaries:
                 tf.cast(micro_steps, tf.float64),
                 tf.cast(micro_steps - updates, tf.float64),
                 tf.cast(nonfinite, tf.float64),
+                tf.cast(
+                    float("nan") if noise_scale is None else noise_scale, tf.float64
+                ),
             ]
         )
         # The host writes before the buffer can fill; never index past it.
@@ -174,7 +181,14 @@ class AccumulationSummaries:
             step = tf.cast(self._rows[i, 0], tf.int64)
             ops = []
             for column, (tag, meta) in enumerate(series, start=1):
-                ops.append(_write_scalar(tag, row[column], step, meta))
+                if tag in _OPTIONAL:  # NaN: not defined at this update
+                    ops.append(tf.cond(
+                        tf.math.is_finite(row[column]),
+                        lambda: _write_scalar(tag, row[column], step, meta),
+                        lambda: tf.constant(False),
+                    ))
+                else:
+                    ops.append(_write_scalar(tag, row[column], step, meta))
             for column, (tag, meta) in enumerate(per_variable):
                 ops.append(_write_scalar(tag, self._norms[i, column], step, meta))
             if self.scalars:
@@ -230,28 +244,6 @@ def _write_scalar(tag, value, step, summary_metadata):
     return tf.summary.write(
         tag, value, step=step, metadata=summary_metadata.SerializeToString()
     )
-
-
-def _unscaled(value, unscale):
-    return value if unscale is None else value / unscale
-
-
-def _squared_norm(grads):
-    total = []
-    for grad in grads:
-        if grad is None:
-            continue
-        if isinstance(grad, tf.IndexedSlices):
-            # Sum repeated rows first: the norm of the dense gradient.
-            unique, positions = tf.unique(grad.indices)
-            grad = tf.math.unsorted_segment_sum(
-                grad.values, positions, tf.shape(unique)[0]
-            )
-        # As a [1, n] x [n, 1] product: BLAS reads the gradient once, faster
-        # on CPUs than TensorFlow's reductions (this runs every micro-step).
-        row = tf.reshape(tf.cast(grad, tf.float32), (1, -1))
-        total.append(tf.matmul(row, row, transpose_b=True)[0, 0])
-    return tf.add_n(total)
 
 
 def _variable_name(variable, prefix):

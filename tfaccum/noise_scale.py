@@ -1,0 +1,98 @@
+"""The gradient noise scale, measured from the accumulation window.
+
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
+appendix A.1: from the squared norms of gradients at two batch sizes, a small
+one (each micro-batch, B_small) and a large one (the window, B_big),
+
+    |G|^2    ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+are unbiased, and B_simple = tr(Sigma) / |G|^2 estimates the critical batch
+size. As the paper does, the two are smoothed separately (exponential moving
+averages) before dividing.
+"""
+
+import tensorflow as tf
+
+SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
+
+
+class NoiseScaleEstimator:
+    """Estimates B_simple from each window's micro-batch and window gradients.
+
+    Within a window of n micro-batches holding B samples, B_small is the mean
+    micro-batch size B / n and |G_small|^2 the sample-weighted mean of the
+    micro-batches' squared gradient norms (the paper's estimator when every
+    micro-batch has the same size). Windows of one micro-batch give no
+    estimate.
+    """
+
+    def __init__(self, strategy):
+        with tf.init_scope(), strategy.scope():
+
+            def variable(name, dtype=tf.float32):
+                return tf.Variable(tf.zeros((), dtype), trainable=False, name=name)
+
+            self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
+            self._gradient_square = variable("gradient_square_ema")  # |G|^2
+            self._trace = variable("trace_sigma_ema")  # tr(Sigma)
+            self._micro_batch = variable("micro_batch_size")  # last B_small
+            self._windows = variable("noise_scale_windows", tf.int64)
+
+    # -- in the train step ----------------------------------------------------
+
+    def on_micro_step(self, norm, samples):
+        self._micro_squares.assign_add(tf.cast(samples, tf.float32) * tf.square(norm))
+
+    def on_update(self, window_square, samples, micro_batches):
+        """Adds one window's estimates.
+
+        Args:
+            window_square: Squared norm of the window's (normalised) gradient.
+            samples: Samples the window held (B_big), int64.
+            micro_batches: Micro-batches that contributed to it, int64.
+        """
+        big = tf.cast(samples, tf.float32)
+        count = tf.cast(micro_batches, tf.float32)
+        small = big / count
+        small_square = self._micro_squares / big
+
+        def add():
+            gradient_square = (big * window_square - small * small_square) / (big - small)
+            trace = (small_square - window_square) / (1.0 / small - 1.0 / big)
+            first = tf.equal(self._windows, 0)
+            for ema, value in ((self._gradient_square, gradient_square), (self._trace, trace)):
+                ema.assign(tf.where(first, value, SMOOTHING * ema + (1.0 - SMOOTHING) * value))
+            self._micro_batch.assign(small)
+            self._windows.assign_add(1)
+            return tf.constant(True)
+
+        tf.cond(count > 1.0, add, lambda: tf.constant(False))
+        self.on_window_reset()
+
+    def on_window_reset(self):
+        self._micro_squares.assign(0.0)
+
+    def current(self):
+        """B_simple now as a float32 tensor, NaN while it is not defined."""
+        defined = tf.logical_and(self._windows > 0, self._gradient_square > 0.0)
+        return tf.where(defined, self._trace / self._gradient_square, float("nan"))
+
+    # -- on the host ----------------------------------------------------------
+
+    @property
+    def noise_scale(self):
+        """B_simple, or `None` until a window with two micro-batches gave one."""
+        value = float(self.current().numpy())
+        return None if value != value else value  # NaN: not defined yet
+
+    @property
+    def micro_batch_size(self):
+        return float(self._micro_batch.numpy()) or None
+
+    def suggested_accumulation_steps(self):
+        """`accumulation_steps` whose effective batch is closest to B_simple."""
+        noise_scale, micro_batch = self.noise_scale, self.micro_batch_size
+        if noise_scale is None or not micro_batch or noise_scale <= 0:
+            return None
+        return max(1, round(noise_scale / micro_batch))
