@@ -8,7 +8,9 @@ median over rounds, after one warm-up epoch per variant (tracing).
 
 Variants:
   tfaccum      batch B, GradientAccumulationCallback(accumulation_steps=N)
-  tfaccum+log_dir  the same, writing Accumulation summaries to a temporary dir
+               (defaults: the noise scale is estimated)
+  tfaccum-no-noise  the same with noise_scale=False
+  tfaccum+log_dir  the defaults, writing Accumulation summaries to a temporary dir
   keras        batch B, optimizer(gradient_accumulation_steps=N)
   micro        batch B, no accumulation (N times more optimizer updates)
   large        batch N*B, no accumulation (what accumulation emulates)
@@ -36,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
-VARIANTS = ("tfaccum", "tfaccum+log_dir", "keras", "micro", "large")
+VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "micro", "large")
 
 
 def load_data(samples):
@@ -74,7 +76,9 @@ def build(variant, args):
     callbacks = []
     if variant.startswith("tfaccum"):
         log_dir = tempfile.mkdtemp(prefix="tfaccum-bench-") if "log_dir" in variant else None
-        callbacks.append(GradientAccumulationCallback(accumulation_steps=args.steps, log_dir=log_dir))
+        callbacks.append(GradientAccumulationCallback(
+            accumulation_steps=args.steps, log_dir=log_dir,
+            noise_scale=False if variant == "tfaccum-no-noise" else None))
     return model, batch_size, callbacks
 
 
@@ -159,7 +163,8 @@ def main():
         print(f"| {variant} | {seconds[variant]:.3f} | "
               f"{seconds[variant] / seconds['keras']:.2f} | "
               f"{seconds[variant] / seconds['micro']:.2f} | {mem} |")
-    print(f"\nlog_dir cost: {seconds['tfaccum+log_dir'] / seconds['tfaccum']:.3f}x tfaccum without it")
+    print(f"\nnoise scale cost: {seconds['tfaccum'] / seconds['tfaccum-no-noise']:.3f}x tfaccum without it")
+    print(f"log_dir cost: {seconds['tfaccum+log_dir'] / seconds['tfaccum']:.3f}x tfaccum without it")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def test_throughput_benchmark_table():
     out = run("benchmarks/throughput.py", "--rounds", "1", "--samples", "256",
               "--width", "32", "--no-memory")
     variants = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert variants == ["tfaccum", "tfaccum+log_dir", "keras", "micro", "large"]
-    assert "log_dir cost:" in out
+    assert variants == ["tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "micro", "large"]
+    assert "log_dir cost:" in out and "noise scale cost:" in out
 
 
 def test_quickstart_writes_the_demo_dashboard(tmp_path):

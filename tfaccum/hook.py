@@ -594,7 +594,7 @@ class AccumulationHook:
             else:
                 accumulator.assign_add(tf.cast(grad, dtype))
         if self.summaries is not None or self.noise is not None:
-            # The micro-batch's own gradient norm, one read of the gradients.
+            # The micro-batch's own gradient norm: one read of the gradients.
             unscale = _keras.loss_scale(self._optimizer)
             if weighted_by_loss:
                 weight = tf.cast(samples, tf.float32)
