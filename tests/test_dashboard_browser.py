@@ -6,6 +6,8 @@ when Chromium or Playwright is missing, except with CI=true, where that fails.
 Set TFACCUM_SCREENSHOT=path.png to save a screenshot of the dashboard.
 """
 
+import json
+import math
 import os
 import re
 import shutil
@@ -48,6 +50,12 @@ READ_DASHBOARD = """() => {
       [tr.dataset.run, Object.fromEntries([...tr.querySelectorAll('[data-counter]')].map(
         (td) => [td.dataset.counter, td.textContent]))])),
     runLabels: [...document.querySelectorAll('label[data-run]')].map((l) => l.textContent),
+    noise: byRun('path.noise-scale[data-run]', 'points'),
+    noiseNonFinite: byRun('g.noise-nonfinite[data-run]', 'count'),
+    batch: byRun('path.effective-batch[data-run]', 'points'),
+    hints: Object.fromEntries([...document.querySelectorAll('[data-hint-run]')].map((e) =>
+      [e.dataset.hintRun, {advice: e.dataset.advice, steps: e.dataset.suggestedSteps,
+        batch: e.dataset.batch, text: e.textContent}])),
     heat: [...document.querySelectorAll('svg.heat')].map((s) =>
       [s.dataset.run, Number(s.dataset.rows), Number(s.dataset.columns)]),
     images: document.querySelectorAll('img').length,
@@ -57,6 +65,41 @@ READ_DASHBOARD = """() => {
 
 READY = "document.body && document.body.dataset.ready === 'true'"
 IDLE = "!document.getElementById('accumulation-dashboard').dataset.loading"
+
+
+
+
+def as_number(value):
+    """A /series value as JavaScript's Number() reads it ("NaN" and co. included)."""
+    return None if value is None else float(value)
+
+
+def expected_advice(series, events):
+    """The batch-size advisor's rule, from a run's /series and /events JSON.
+
+    B_simple: the last finite, positive noise_scale. B: window_samples of the
+    last update, skipping one that flushed a partial window (unless all did);
+    micro-batch: B / window_micro_batches there. Returns (advice, suggested
+    accumulation_steps or "", B or None).
+    """
+    def usable(v):
+        return v is not None and math.isfinite(v) and v > 0
+
+    steps = series["steps"]
+    column = {name: [as_number(v) for v in values] for name, values in series["series"].items()}
+    estimates = [v for v in column["noise_scale"] if usable(v)]
+    flushed = {e["step"] for e in events["events"] if e["policy"] == "flush"}
+    windows = [i for i in range(len(steps))
+               if usable(column["window_samples"][i]) and usable(column["window_micro_batches"][i])]
+    full = [i for i in windows if steps[i] not in flushed]
+    if not estimates or not windows:
+        return "unknown", "", None
+    at = (full or windows)[-1]
+    noise, batch = estimates[-1], column["window_samples"][at]
+    micro_batch = batch / column["window_micro_batches"][at]
+    suggested = max(1, math.floor(noise / micro_batch + 0.5))  # Math.round
+    advice = "less" if batch > 2 * noise else "more" if batch < noise / 2 else "good"
+    return advice, str(suggested), batch
 
 
 # -- browser ----------------------------------------------------------------------
@@ -169,6 +212,28 @@ def test_dashboard_draws_what_the_callback_wrote(browser, served):
     assert seen["markers"] == {"run-flush": EPOCHS, MALICIOUS: EPOCHS}
     assert seen["policies"]["run-flush"] == ["marker marker-flush"] * EPOCHS
     assert seen["policies"][MALICIOUS] == ["marker marker-drop"] * EPOCHS
+    # Batch-size advisor: B_simple where /series defines it, the effective batch at
+    # every update, and the advice the rule gives for the same JSON.
+    assert set(seen["noise"]) == set(seen["batch"]) == set(seen["hints"]) == set(counters)
+    for name, expected in counters.items():
+        query = "?run=" + urllib.parse.quote(name)
+        series = server.get_json(API + "series" + query)
+        events = server.get_json(API + "events" + query)
+        defined = [v for v in series["series"]["noise_scale"] if v is not None]
+        assert 0 < len(defined) <= expected["optimizer_steps"], name
+        assert seen["noise"][name] == len(defined), name
+        assert seen["noiseNonFinite"][name] == 0, name
+        assert seen["batch"][name] == len(series["steps"]) == expected["optimizer_steps"], name
+        advice, steps, batch = expected_advice(series, events)
+        hint = seen["hints"][name]
+        assert (hint["advice"], hint["steps"]) == (advice, steps), (name, hint)
+        assert float(hint["batch"]) == batch, name
+        assert hint["text"].startswith(name + ": "), name
+    # run-flush ends on a flushed partial window (1 micro-batch): B is the full window's.
+    assert float(seen["hints"]["run-flush"]["batch"]) == 32
+    assert "flushed at update" in seen["hints"]["run-flush"]["text"]
+    assert frame.get_by_text("An Empirical Model of Large-Batch Training").count() == 1
+
     # The heat map of the first run: 4 variables, a column per update (fewer than 120).
     assert seen["heat"] == [[MALICIOUS, 4, drop["optimizer_steps"]]]
 
@@ -228,6 +293,86 @@ def test_non_finite_values_and_failed_fetches(browser, served):
     page.wait_for_selector(".status.error")
     assert "500 boom" in page.locator(".status").text_content()
     assert page.locator("path.applied").count() == 0
+    assert page.errors == [] and page.dialogs == []
+    page.unroute_all(behavior="ignoreErrors")
+    page.close()
+
+
+# Synthetic runs for the advisor: (noise_scale, window_samples, window_micro_batches,
+# flushed steps, expected advice, suggested steps, B_simple points drawn, non-finite).
+ADVISOR_CASES = {
+    # B = 64 > 2 x 17 (the last finite estimate; "Infinity" is marked, not drawn).
+    "less": ([None, 30, "Infinity", 17], [64] * 4, [8] * 4, [], "less", "2", 2, 1),
+    # B = 16 < 90 / 2 with the last defined estimate before a trailing null.
+    "more": ([None, 80, 90, None], [16] * 4, [2] * 4, [], "more", "11", 2, 0),
+    # The flushed partial window (8 samples) is left out: B = 32, within 2x of 40.
+    "good": ([40, 40, 40], [32, 32, 8], [4, 4, 1], [3], "good", "5", 3, 0),
+    # B = 2 x B_simple exactly is still "good".
+    "good-edge": ([32], [64], [8], [], "good", "4", 1, 0),
+    "unknown": ([None, "NaN"], [16, 16], [2, 2], [], "unknown", "", 0, 1),
+}
+
+
+def synthetic_run(run):
+    noise, samples, micro_batches, flushed = ADVISOR_CASES[run][:4]
+    n = len(noise)
+    ones = [1.0] * n
+    series = {
+        "run": run, "sampled": n, "steps": list(range(1, n + 1)),
+        "series": {
+            "applied_gradient_norm": ones, "micro_norm_mean": ones, "micro_norm_max": ones,
+            "window_micro_batches": micro_batches, "window_samples": samples,
+            "micro_steps": ones, "skipped_updates": ones, "nonfinite_skips": ones,
+            "noise_scale": noise,
+        },
+        "accumulators": {"variables": [], "columns": [], "values": []},
+    }
+    events = {
+        "run": run,
+        "events": [{"step": step, "policy": "flush", "micro_batches": micro_batches[step - 1],
+                    "samples": samples[step - 1]} for step in flushed],
+        "counters": {"optimizer_steps": n, "micro_steps": None, "skipped_updates": None,
+                     "nonfinite_skips": None, "flushes": len(flushed), "carries": 0,
+                     "dropped_micro_steps": 0},
+    }
+    return series, events
+
+
+def test_batch_size_advice_for_known_numbers(browser, served):
+    server, _ = served
+    page = open_page(browser, "about:blank")
+
+    def synthetic(route):
+        url = urllib.parse.urlsplit(route.request.url)
+        route_name = url.path.rsplit("/", 1)[-1]
+        if route_name == "runs":
+            body = {"runs": [{"run": run, "updates": len(case[0]), "variables": 0}
+                             for run, case in ADVISOR_CASES.items()]}
+        else:
+            run = urllib.parse.parse_qs(url.query)["run"][0]
+            body = dict(zip(("series", "events"), synthetic_run(run)))[route_name]
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    page.route(re.compile(re.escape(API) + r"(runs|series|events)\b"), synthetic)
+    page.goto(server.url + ENTRY)
+    page.wait_for_function(READY)
+    seen = page.evaluate(READ_DASHBOARD)
+    assert seen["status"] == ""
+    for run, case in ADVISOR_CASES.items():
+        advice, steps, points, nonfinite = case[4:]
+        # The Python rule agrees with the numbers written here by hand...
+        assert expected_advice(*synthetic_run(run))[:2] == (advice, steps), run
+        # ...and the page with both.
+        hint = seen["hints"][run]
+        assert (hint["advice"], hint["steps"]) == (advice, steps), (run, hint)
+        assert seen["noise"][run] == points, run
+        assert seen["noiseNonFinite"][run] == nonfinite, run
+        assert seen["batch"][run] == len(case[1]), run
+    texts = {run: hint["text"] for run, hint in seen["hints"].items()}
+    assert "Accumulate less." in texts["less"] and "accumulation_steps = 2" in texts["less"]
+    assert "Accumulate more." in texts["more"] and "accumulation_steps = 11" in texts["more"]
+    assert "Good trade-off." in texts["good"] and "flushed at update 3" in texts["good"]
+    assert "accumulation_steps >= 2" in texts["unknown"]
     assert page.errors == [] and page.dialogs == []
     page.unroute_all(behavior="ignoreErrors")
     page.close()

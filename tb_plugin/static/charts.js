@@ -1,4 +1,5 @@
-// SVG drawing: the applied-gradient-norm line chart and the accumulator heat map.
+// SVG drawing: the applied-gradient-norm line chart, the batch-size chart (noise
+// scale and effective batch, log scale) and the accumulator heat map.
 // Data never goes through innerHTML: every label is set with textContent.
 
 const SVG_NS = 'http://www.w3.org/2000/svg';
@@ -9,6 +10,7 @@ export const POLICY_STYLE = {
   drop: {color: '#d81b60', label: 'drop (discarded)'},
 };
 export const NONFINITE_COLOR = '#e53935';
+const EFFECTIVE_BATCH_DASH = '6 4';
 const HEAT_STOPS = ['#440154', '#414487', '#2a788e', '#22a884', '#7ad151', '#fde725'];
 
 /** Creates an SVG element; `title` adds a <title> child (a native tooltip). */
@@ -146,16 +148,33 @@ export function nonFiniteMarker(cx, cy, down, title = null) {
 /** A small inline SVG icon for legends: a line style or a marker. */
 export function legendIcon(kind, color = '#555') {
   const icon = svg('svg', {width: 22, height: 14, viewBox: '0 0 22 14', 'aria-hidden': 'true'});
-  const dash = {mean: '5 3', max: '1.5 2.5'}[kind];
-  if (kind === 'applied' || dash) {
+  const dash = {mean: '5 3', max: '1.5 2.5', 'effective-batch': EFFECTIVE_BATCH_DASH}[kind];
+  const solid = kind === 'applied' || kind === 'noise-scale';
+  if (solid || dash) {
     icon.append(svg('line', {x1: 1, y1: 7, x2: 21, y2: 7, stroke: color,
-      'stroke-width': kind === 'applied' ? 2.5 : 1.5, 'stroke-dasharray': dash}));
+      'stroke-width': solid ? 2.5 : 1.5, 'stroke-dasharray': dash}));
   } else if (kind === 'nonfinite') {
     icon.append(nonFiniteMarker(11, 8, false));
   } else {
     icon.append(policyMarker(kind, 11, 7));
   }
   return icon;
+}
+
+/** The x axis (optimizer updates, integer ticks), both axis lines and their labels. */
+function updateAxis(axes, x, [x0, x1], m, W, H, yLabel) {
+  for (const t of ticks(x0, x1, 8, true)) {
+    axes.append(svg('line', {class: 'tick', x1: x(t), x2: x(t), y1: H - m.bottom,
+      y2: H - m.bottom + 5}));
+    axes.append(text(String(t), {x: x(t), y: H - m.bottom + 18, 'text-anchor': 'middle'}));
+  }
+  axes.append(svg('line', {class: 'axis', x1: m.left, x2: W - m.right, y1: H - m.bottom,
+    y2: H - m.bottom}));
+  axes.append(svg('line', {class: 'axis', x1: m.left, x2: m.left, y1: m.top, y2: H - m.bottom}));
+  axes.append(text('optimizer update', {class: 'axis-label', x: (m.left + W - m.right) / 2,
+    y: H - 6, 'text-anchor': 'middle'}));
+  axes.append(text(yLabel, {class: 'axis-label', 'text-anchor': 'middle',
+    transform: `translate(14 ${(m.top + H - m.bottom) / 2}) rotate(-90)`}));
 }
 
 /**
@@ -193,18 +212,7 @@ export function lineChart(runs, {showMicro = true} = {}) {
     axes.append(svg('line', {class: 'grid', x1: m.left, x2: W - m.right, y1: y(t), y2: y(t)}));
     axes.append(text(formatNumber(t), {x: m.left - 6, y: y(t) + 4, 'text-anchor': 'end'}));
   }
-  for (const t of ticks(x0, x1, 8, true)) {
-    axes.append(svg('line', {class: 'tick', x1: x(t), x2: x(t), y1: H - m.bottom,
-      y2: H - m.bottom + 5}));
-    axes.append(text(String(t), {x: x(t), y: H - m.bottom + 18, 'text-anchor': 'middle'}));
-  }
-  axes.append(svg('line', {class: 'axis', x1: m.left, x2: W - m.right, y1: H - m.bottom,
-    y2: H - m.bottom}));
-  axes.append(svg('line', {class: 'axis', x1: m.left, x2: m.left, y1: m.top, y2: H - m.bottom}));
-  axes.append(text('optimizer update', {class: 'axis-label', x: (m.left + W - m.right) / 2,
-    y: H - 6, 'text-anchor': 'middle'}));
-  axes.append(text('gradient norm', {class: 'axis-label', 'text-anchor': 'middle',
-    transform: `translate(14 ${(m.top + H - m.bottom) / 2}) rotate(-90)`}));
+  updateAxis(axes, x, [x0, x1], m, W, H, 'gradient norm');
   root.append(axes);
 
   for (const r of runs) {
@@ -244,6 +252,18 @@ export function lineChart(runs, {showMicro = true} = {}) {
     root.append(g);
   }
 
+  return withHover(root, runs, x, m, W, H, (r, i) => {
+    let label = `${r.run} · update ${r.steps[i]}: ${formatNumber(r.applied[i])}`;
+    if (showMicro) label += ` (mean ${formatNumber(r.mean[i])}, max ${formatNumber(r.max[i])})`;
+    return label;
+  });
+}
+
+/**
+ * Wraps a chart's <svg> in a <div> with a hover read-out: a vertical guide at
+ * the nearest update and one line per run, `label(run, index)` (plain text).
+ */
+function withHover(root, runs, x, m, W, H, label) {
   const wrap = document.createElement('div');
   wrap.className = 'chart';
   const tip = document.createElement('div');
@@ -268,9 +288,7 @@ export function lineChart(runs, {showMicro = true} = {}) {
       const swatch = document.createElement('span');
       swatch.className = 'swatch';
       swatch.style.background = r.color;
-      let label = `${r.run} · update ${r.steps[i]}: ${formatNumber(r.applied[i])}`;
-      if (showMicro) label += ` (mean ${formatNumber(r.mean[i])}, max ${formatNumber(r.max[i])})`;
-      line.append(swatch, document.createTextNode(label));
+      line.append(swatch, document.createTextNode(label(r, i)));
       tip.append(line);
     }
     if (shown === null) return;
@@ -289,6 +307,83 @@ export function lineChart(runs, {showMicro = true} = {}) {
   });
   wrap.append(root, tip);
   return wrap;
+}
+
+/** Ticks of a log axis: 1-2-5 per decade over a short range, powers of ten beyond. */
+function logTicks(lo, hi) {
+  const mults = Math.log10(hi / lo) <= 2.5 ? [1, 2, 5] : [1];
+  const out = [];
+  for (let p = Math.floor(Math.log10(lo)) - 1; p <= Math.ceil(Math.log10(hi)) + 1; p += 1) {
+    for (const k of mults) out.push(Number((k * 10 ** p).toPrecision(12)));
+  }
+  return out;
+}
+
+/**
+ * The gradient noise scale B_simple (solid) and the effective batch size B
+ * (dashed) of several runs on one log-scale axis, one colour per run.
+ * `runs`: [{run, color, steps, noise, samples}]. Null, non-finite and
+ * non-positive values leave gaps (a log axis has no place for them);
+ * non-finite noise-scale values get a marker, as on the gradient-norm chart.
+ */
+export function batchSizeChart(runs) {
+  const W = 900;
+  const H = 300;
+  const m = {left: 58, right: 18, top: 16, bottom: 42};
+  const positive = (v) => finite(v) && v > 0;
+  const log = (values) => values.map((v) => (positive(v) ? Math.log10(v) : null));
+  const xs = [];
+  const ys = [];
+  for (const r of runs) {
+    for (const step of r.steps) xs.push(step);
+    for (const line of [r.noise, r.samples]) for (const v of line) if (positive(v)) ys.push(v);
+  }
+  let [x0, x1] = extent(xs) || [0, 1];
+  if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
+  let [lo, hi] = extent(ys) || [1, 10];
+  if (lo === hi) [lo, hi] = [lo / 2, hi * 2];
+  // Widen the range to the nearest ticks below and above the data.
+  const candidates = logTicks(lo, hi);
+  lo = candidates.filter((t) => t <= lo).pop() ?? lo;
+  hi = candidates.find((t) => t >= hi) ?? hi;
+  const x = scale(x0, x1, m.left, W - m.right);
+  const y = scale(Math.log10(lo), Math.log10(hi), H - m.bottom, m.top);
+
+  const root = svg('svg', {viewBox: `0 0 ${W} ${H}`, class: 'line-chart batch-size-chart',
+    role: 'img', 'aria-label': 'Gradient noise scale and effective batch size per update'});
+  const axes = svg('g', {class: 'axes'});
+  for (const t of candidates.filter((v) => v >= lo && v <= hi)) {
+    const ty = y(Math.log10(t));
+    axes.append(svg('line', {class: 'grid', x1: m.left, x2: W - m.right, y1: ty, y2: ty}));
+    axes.append(text(formatNumber(t), {x: m.left - 6, y: ty + 4, 'text-anchor': 'end'}));
+  }
+  updateAxis(axes, x, [x0, x1], m, W, H, 'samples (log scale)');
+  root.append(axes);
+
+  for (const r of runs) {
+    const g = svg('g', {class: 'run', 'data-run': r.run});
+    const batch = linePath(r.steps, log(r.samples), x, y);
+    g.append(svg('path', {class: 'effective-batch', d: batch.d, stroke: r.color,
+      'stroke-dasharray': EFFECTIVE_BATCH_DASH, 'data-run': r.run, 'data-points': batch.drawn}));
+    const noise = linePath(r.steps, log(r.noise), x, y);
+    g.append(svg('path', {class: 'noise-scale', d: noise.d, stroke: r.color, 'data-run': r.run,
+      'data-points': noise.drawn}));
+    const bad = svg('g', {class: 'noise-nonfinite', 'data-run': r.run});
+    let badCount = 0;
+    r.noise.forEach((v, i) => {
+      if (v === null || finite(v)) return;
+      const down = v === -Infinity;
+      bad.append(nonFiniteMarker(x(r.steps[i]), down ? H - m.bottom - 7 : m.top + 7, down,
+        `${r.run}\nupdate ${r.steps[i]}: noise scale ${v}`));
+      badCount += 1;
+    });
+    bad.setAttribute('data-count', badCount);
+    g.append(bad);
+    root.append(g);
+  }
+  return withHover(root, runs, x, m, W, H, (r, i) =>
+    `${r.run} · update ${r.steps[i]}: B_simple ${formatNumber(r.noise[i])}, ` +
+    `effective batch ${formatNumber(r.samples[i])}`);
 }
 
 function mix(a, b, t) {

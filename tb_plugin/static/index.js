@@ -1,6 +1,6 @@
 // Entry point: TensorBoard imports this module in the tab's iframe and calls render().
 
-import {heatMap, lineChart} from './charts.js';
+import {batchSizeChart, heatMap, lineChart} from './charts.js';
 import * as model from './model.js';
 import * as views from './views.js';
 
@@ -125,12 +125,20 @@ export async function render() {
     sections.heat = section;
   }
 
+  function advisor() {
+    const lines = state.data.map((d) => ({...d, color: colorOf(d.run)}));
+    const rows = lines.map((d) => ({run: d.run, color: d.color, advice: model.batchAdvice(d)}));
+    const nonFinite = state.data.some(
+      (d) => d.noise.some((v) => v !== null && !Number.isFinite(v)));
+    return views.advisorSection(batchSizeChart(lines), rows, {nonFinite});
+  }
+
   function draw() {
     sections.norms = document.createElement('section');
     sections.heat = document.createElement('section');
     const counters = views.countersTable(
       state.data.map((d) => ({run: d.run, color: colorOf(d.run), counters: d.counters})));
-    ui.content.replaceChildren(sections.norms, sections.heat, counters);
+    ui.content.replaceChildren(sections.norms, advisor(), sections.heat, counters);
     drawNorms();
     drawHeat();
   }

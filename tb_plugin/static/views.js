@@ -1,7 +1,7 @@
 // DOM building only. Run and variable names are data: they go in with
 // textContent (via `el`), never as HTML.
 
-import {legendIcon, POLICY_STYLE} from './charts.js';
+import {formatNumber, legendIcon, POLICY_STYLE} from './charts.js';
 
 const STYLE = `
   body { margin: 0; background: #fff; }
@@ -34,6 +34,8 @@ const STYLE = `
   svg .grid { stroke: #eeeeee; }
   svg .applied { fill: none; stroke-width: 2; stroke-linejoin: round; stroke-linecap: round; }
   svg .micro { fill: none; stroke-width: 1.3; opacity: 0.45; stroke-linecap: round; }
+  svg .noise-scale { fill: none; stroke-width: 2.2; stroke-linejoin: round; stroke-linecap: round; }
+  svg .effective-batch { fill: none; stroke-width: 1.5; opacity: 0.8; stroke-linecap: round; }
   svg .guide { stroke: #bdbdbd; stroke-dasharray: 3 3; }
   svg .overlay { fill: transparent; }
   svg .marker { cursor: default; }
@@ -49,6 +51,11 @@ const STYLE = `
   table.counters th:first-child, table.counters td:first-child { text-align: left;
     white-space: pre; }
   table.counters th { font-weight: 500; color: #616161; }
+  .intro { margin: 0 0 8px; color: #424242; max-width: 900px; }
+  ul.hints { list-style: none; padding: 0; margin: 10px 0 0; }
+  ul.hints li { margin: 6px 0; padding: 6px 10px; background: #fafafa; border-radius: 4px; }
+  ul.hints .run-name { font-weight: 500; white-space: pre; }
+  ul.hints .verdict { font-weight: 500; }
   #empty-state { max-width: 640px; }
   #empty-state pre { background: #f5f5f5; padding: 10px 12px; border-radius: 4px;
     overflow-x: auto; }
@@ -146,6 +153,87 @@ export function heatSection(runs, current, onSelect, chart, empty) {
   return card('Accumulator norm per variable (largest per update range, log colour scale)',
     el('div', {className: 'toolbar'}, el('label', {}, 'Run ', select)),
     empty ? el('p', {className: 'note'}, 'This run has no per-variable norms.') : chart);
+}
+
+const PAPER = 'https://arxiv.org/abs/1812.06162';
+
+const VERDICTS = {
+  less: 'Accumulate less.',
+  more: 'Accumulate more.',
+  good: 'Good trade-off.',
+  unknown: 'No advice yet.',
+};
+
+/** The plain-language hint for one run's batchAdvice() result: [verdict, details]. */
+export function adviceText(a) {
+  const verdict = VERDICTS[a.advice];
+  const n = formatNumber(a.noiseScale);
+  if (a.noiseScale === null) {
+    return [verdict, 'There is no estimate of B_simple yet: it needs windows of at least two ' +
+      'micro-batches (accumulation_steps >= 2) and some updates.'];
+  }
+  if (a.advice === 'unknown') {
+    return [verdict, `B_simple ≈ ${n}, but no update logged its effective batch.`];
+  }
+  const ratio = formatNumber(Number((a.batch / a.noiseScale).toPrecision(2)));
+  let out = `The effective batch B = ${formatNumber(a.batch)} samples per update ` +
+    `(${formatNumber(a.accumulation)} micro-batches of ${formatNumber(a.microBatch)}) ` +
+    `is ${ratio}× B_simple ≈ ${n}. `;
+  const k = a.suggestedSteps;
+  const then = `accumulation_steps = ${k} would make B ≈ ${formatNumber(k * a.microBatch)}.`;
+  if (a.advice === 'less') {
+    out += 'Well above the noise scale, the examples needed grow like 1 + B/B_noise while ' +
+      'the number of updates barely falls: most of the extra compute per update is wasted; ' +
+      then;
+    if (k * a.microBatch > 2 * a.noiseScale) {
+      out += ' Even one micro-batch is above B_simple: a smaller micro-batch would get closer.';
+    }
+  } else if (a.advice === 'more') {
+    out += 'Below the noise scale, a larger batch costs few extra examples and cuts the ' +
+      'number of updates (and, across devices, of all-reduces); ' + then;
+  } else {
+    out += 'It is near the critical batch size: a good trade-off between the number of ' +
+      'updates and the examples they cost.';
+  }
+  if (a.step !== a.lastStep) {
+    out += ` (B is that of update ${a.step}: the partial window flushed at update ` +
+      `${a.lastStep} is left out.)`;
+  }
+  return [verdict, out];
+}
+
+/**
+ * The batch-size advisor card: the chart, its legend and one hint per run.
+ * rows: [{run, color, advice}] with advice from model.batchAdvice(). Each hint
+ * carries data-hint-run, data-advice ("less", "more", "good" or "unknown"),
+ * data-suggested-steps, data-noise-scale and data-batch ("" when unknown).
+ */
+export function advisorSection(chart, rows, {nonFinite = false} = {}) {
+  const intro = el('p', {className: 'intro'},
+    'B_simple, the gradient noise scale of McCandlish, Kaplan, Amodei et al. (2018), ',
+    el('a', {href: PAPER, target: '_blank', rel: 'noopener noreferrer'},
+      '“An Empirical Model of Large-Batch Training”'),
+    ', estimates the critical batch size: at batch size B, training takes about ' +
+    'S = S_min (1 + B_noise/B) updates and E = E_min (1 + B/B_noise) examples. ' +
+    'The effective batch B is the samples per optimizer update (micro-batch × ' +
+    'accumulation_steps).');
+  const legend = el('div', {className: 'legend'},
+    el('span', {}, legendIcon('noise-scale'), 'gradient noise scale B_simple'),
+    el('span', {}, legendIcon('effective-batch'), 'effective batch B (samples per update)'),
+    nonFinite ? el('span', {}, legendIcon('nonfinite'), 'non-finite B_simple') : null);
+  const hints = rows.map(({run, color, advice}) => {
+    const [verdict, details] = adviceText(advice);
+    return el('li', {dataset: {
+      hintRun: run,
+      advice: advice.advice,
+      suggestedSteps: advice.suggestedSteps === null ? '' : String(advice.suggestedSteps),
+      noiseScale: advice.noiseScale === null ? '' : String(advice.noiseScale),
+      batch: advice.batch === null ? '' : String(advice.batch),
+    }}, swatch(color), el('span', {className: 'run-name'}, run), ': ',
+    el('span', {className: 'verdict'}, verdict), ' ', details);
+  });
+  return card('Batch-size advisor: gradient noise scale vs. effective batch size',
+    intro, chart, legend, el('ul', {className: 'hints'}, ...hints));
 }
 
 const COUNTERS = [
