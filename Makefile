@@ -15,8 +15,14 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[$*]' --config-settings editable_mode=compat
 	touch $@
 
+# The core behaviour runs again on Keras 2 (tf_keras), with its users' switch.
+TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.py \
+	tests/test_summary.py tests/test_nonfinite.py tests/test_resume.py \
+	tests/test_noise_scale.py tests/test_distribution.py
+
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest -m "not keras3" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-examples
 	rm -rf runs/demo

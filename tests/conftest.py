@@ -2,10 +2,19 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+# The suite runs on Keras 3, and again on Keras 2 (`tf_keras`) with
+# TF_USE_LEGACY_KERAS=1 (`make test` does both). Tests take `keras` from here.
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+    keras = tf.keras  # tf_keras, as its users get it
+    KERAS = "tf_keras"
+else:
+    import keras  # noqa: E402
+
+    KERAS = "keras3"
 
 # Two logical CPUs, for tests with a two-replica MirroredStrategy. Must happen
 # before TensorFlow initialises its devices.
@@ -81,3 +90,14 @@ def max_weight_diff(a, b):
 @pytest.fixture
 def data():
     return make_data()
+
+
+def pytest_report_header(config):
+    return f"Keras under test: {KERAS} {getattr(keras, '__version__', '')}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "keras3: exercises what only Keras 3 has (deselected in the tf_keras run)",
+    )

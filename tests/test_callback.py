@@ -2,7 +2,7 @@
 
 import re
 
-import keras
+from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -386,7 +386,7 @@ class DenseGradientModel(keras.Sequential):
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
         grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply([tf.convert_to_tensor(g) for g in grads], self.trainable_variables)
+        self.optimizer.apply_gradients(zip([tf.convert_to_tensor(g) for g in grads], self.trainable_variables))
         return {"loss": loss}
 
 

@@ -1,6 +1,6 @@
 """Accumulation under tf.distribute.MirroredStrategy on two logical CPUs, graph mode."""
 
-import keras
+from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,24 +9,34 @@ from conftest import make_model
 from conftest import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
+from tfaccum import install_accumulation_hook
 
 TOL = 1e-5
 
 
 class CountingReduction(tf.distribute.ReductionToOneDevice):
-    """Cross-device reduction that counts, at run time, how often it runs."""
+    """Cross-device reduction that counts, at run time, how often it runs:
+    `count` the batched ones (gradients), `single` one-value ones (counters)."""
 
     def __init__(self):
         super().__init__()
-        self.count = None
+        self.count = self.single = None
+
+    @staticmethod
+    def _after(reduced, counter):
+        if counter is not None:
+            with tf.control_dependencies(tf.nest.flatten(
+                    [v.values if hasattr(v, "values") else v for v in tf.nest.flatten(reduced)])):
+                counter.assign_add(1)
+        return reduced
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        reduced = super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
-        if self.count is not None:
-            with tf.control_dependencies(tf.nest.flatten(
-                    [v.values if hasattr(v, "values") else v for v in reduced])):
-                self.count.assign_add(1)
-        return reduced
+        return self._after(super().batch_reduce_implementation(
+            reduce_op, value_destination_pairs, options), self.count)
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self._after(super().reduce_implementation(
+            reduce_op, per_replica_value, destinations, options), self.single)
 
 
 def mirrored(cross_device_ops=None):
@@ -80,8 +90,8 @@ def test_gradients_are_all_reduced_once_per_update():
     with strategy.scope():
         counter.count = tf.Variable(0, dtype=tf.int64, trainable=False)
     model, callback = fit_mirrored("sgd", x, y, strategy=strategy)
-    # Keras reduces the gradients (one batch) and nothing else per update;
-    # the 39 micro-steps reduce nothing.
+    # Keras reduces the gradients (one batch) per update; the 39 micro-steps
+    # reduce nothing: replicas decide that a window is full each on its own.
     assert callback.micro_steps == 39 and callback.optimizer_steps == 12
     assert int(counter.count.numpy()) == 12
     # Plain Keras, for contrast: one reduction per batch.
@@ -92,6 +102,35 @@ def test_gradients_are_all_reduced_once_per_update():
         model = make_model(optimizer="sgd")
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     assert int(plain_counter.count.numpy()) == 39
+
+
+def test_a_micro_step_reduces_nothing_more_than_a_plain_step():
+    # Deciding that a window is full needs no reduction: each replica (and,
+    # across machines, each worker) keeps its own position in the window.
+    x, y = make_data(n=8)
+    counter = CountingReduction()
+    strategy = mirrored(counter)
+    with strategy.scope():
+        counter.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+        counter.single = tf.Variable(0, dtype=tf.int64, trainable=False)
+        model = make_model(optimizer="sgd")
+
+    def reductions_in_one_step():
+        before = int(counter.count.numpy()), int(counter.single.numpy())
+        model.train_on_batch(x, y)
+        return int(counter.count.numpy()) - before[0], int(counter.single.numpy()) - before[1]
+
+    reductions_in_one_step()  # traces
+    plain = reductions_in_one_step()
+    assert plain[0] == 1  # plain Keras reduces the gradients every step
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    reductions_in_one_step()  # traces
+    assert reductions_in_one_step() == (0, 0)  # a micro-step reduces nothing
+    assert reductions_in_one_step() == (0, 0)
+    gradients, others = reductions_in_one_step()  # the fourth updates
+    assert gradients == 1 and others >= plain[1]
+    assert hook.optimizer_steps == 1
+    hook.remove()
 
 
 def test_leftover_drop_and_carry_under_mirrored():

@@ -1,6 +1,6 @@
 """AccumulationHook: install, remove, and the exact arithmetic of a window."""
 
-import keras
+from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -199,6 +199,7 @@ def test_uncompiled_model_is_an_error():
         install_accumulation_hook(model, accumulation_steps=4)
 
 
+@pytest.mark.keras3  # tf_keras optimizers have no gradient_accumulation_steps
 def test_double_accumulation_is_an_error():
     x, y = make_data()
     model = make_model(optimizer=lambda: keras.optimizers.SGD(gradient_accumulation_steps=4))

@@ -1,6 +1,6 @@
 """The gradient noise scale B_simple (McCandlish et al. 2018, appendix A.1)."""
 
-import keras
+from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,11 +14,11 @@ from tfaccum.noise_scale import NoiseScaleEstimator
 
 def test_estimators_by_hand():
     estimator = NoiseScaleEstimator(tf.distribute.get_strategy())
-    # A window of two micro-batches of 4 samples, gradient norms 3 and 5,
+    # A window of two micro-batches of 4 samples, squared gradient norms 9 and 25,
     # whose normalised sum has norm 2: |G_small|^2 = (9 + 25) / 2 = 17,
     # |G_big|^2 = 4, B_small = 4, B_big = 8.
     for norm in (3.0, 5.0):
-        estimator.on_micro_step(tf.constant(norm), tf.constant(4, tf.int64))
+        estimator.on_micro_step(tf.constant(norm**2), tf.constant(4, tf.int64))
     estimator.on_update(tf.constant(4.0), samples=tf.constant(8, tf.int64),
                         micro_batches=tf.constant(2, tf.int64))
     gradient_square = (8 * 4 - 4 * 17) / (8 - 4)  # -9: a single window is noisy
@@ -28,7 +28,7 @@ def test_estimators_by_hand():
     assert estimator.noise_scale is None  # |G|^2 <= 0: not defined yet
     # A second window: the two averages move separately, then divide.
     for norm in (2.0, 2.0):
-        estimator.on_micro_step(tf.constant(norm), tf.constant(4, tf.int64))
+        estimator.on_micro_step(tf.constant(norm**2), tf.constant(4, tf.int64))
     estimator.on_update(tf.constant(1.0), samples=tf.constant(8, tf.int64),
                         micro_batches=tf.constant(2, tf.int64))
     gradient_square = SMOOTHING * gradient_square + (1 - SMOOTHING) * ((8 - 4 * 4) / 4)

@@ -1,6 +1,6 @@
 """Interrupting and resuming with keras.callbacks.BackupAndRestore."""
 
-import keras
+from conftest import keras
 import pytest
 from conftest import make_data
 from conftest import make_model

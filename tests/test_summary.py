@@ -38,7 +38,7 @@ def global_norm(grads):
 
 def gradients(model, x, y):
     with tf.GradientTape() as tape:
-        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+        loss = model.compute_loss(x=x, y=tf.constant(y), y_pred=model(x, training=True))
     return tape.gradient(loss, model.trainable_variables)
 
 

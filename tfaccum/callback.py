@@ -278,6 +278,10 @@ class GradientAccumulationCallback(_keras.Callback):
             )
         self._epoch_open = False
         self._unwritten_micro_steps = 0
+        if self.summaries is not None:
+            self._summary_headroom = self.summaries.capacity - (
+                self.hook._api.steps_per_execution(self.model)
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         try:
@@ -304,8 +308,7 @@ class GradientAccumulationCallback(_keras.Callback):
             # micro-step at most); counted here, never read from the device.
             self._unwritten_micro_steps += batch - self._last_batch
             self._last_batch = batch
-            headroom = self.summaries.capacity - self.model.steps_per_execution
-            if self._unwritten_micro_steps >= headroom:
+            if self._unwritten_micro_steps >= self._summary_headroom:
                 self.summaries.write()
                 self._unwritten_micro_steps = 0
         # The last batch of an epoch of known length: end the window before

@@ -156,7 +156,8 @@ class AccumulationHook:
         summaries=None,
         noise=None,
     ):
-        if not _keras.is_compiled(model):
+        self._api = api = _keras.api_for(model)
+        if not api.is_compiled(model):
             raise ValueError(
                 "The model must be compiled before gradient accumulation can "
                 "be installed on it: call `model.compile(optimizer=..., "
@@ -164,7 +165,7 @@ class AccumulationHook:
                 f"optimizer={getattr(model, 'optimizer', None)!r}"
             )
         optimizer = model.optimizer
-        built_in = _keras.built_in_accumulation_steps(optimizer)
+        built_in = api.built_in_accumulation_steps(optimizer)
         if built_in:
             raise ValueError(
                 "The model's optimizer already accumulates gradients itself "
@@ -237,6 +238,16 @@ class AccumulationHook:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM,
             )
+            # With several replicas: micro-steps into the open window, kept
+            # by every replica, so that each decides when the window is full
+            # without talking to the others (over a network, per micro-step).
+            self._window_position = tf.Variable(
+                tf.zeros((), tf.int64),
+                trainable=False,
+                name="window_position",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
             if model.built:
                 for variable in model.trainable_variables:
                     self._accumulator(variable)
@@ -262,7 +273,7 @@ class AccumulationHook:
         return (
             model.optimizer,
             getattr(model, "_compile_config", None),
-            model.steps_per_execution,
+            self._api.steps_per_execution(model),
             model.jit_compile,
             model.run_eagerly,
             tuple(id(v) for v in model.trainable_variables),
@@ -312,6 +323,7 @@ class AccumulationHook:
         for _, pooled in self._windowed_layers:
             pooled.reset()
         self._counts.assign(tf.zeros_like(self._counts))
+        self._window_position.assign(0)
         if self.summaries is not None:
             self.summaries.on_window_reset()
         self._install()
@@ -443,9 +455,11 @@ class AccumulationHook:
         for all replicas' threads, each of which finds its own `_Step`.
         """
         optimizer = self._optimizer
-        patches = {"apply": self._accumulating_apply}
-        if self.reduction == "samples" and not _keras.scales_loss_dynamically(
-            optimizer
+        patches = {self._api.apply_method: self._accumulating_apply}
+        if (
+            self._api.scales_loss_in_step
+            and self.reduction == "samples"
+            and not _keras.scales_loss_dynamically(optimizer)
         ):
             patches["scale_loss"] = self._sample_weighting_scale_loss
         with self._patch_lock:
@@ -462,8 +476,9 @@ class AccumulationHook:
                     for name in patches:
                         object.__delattr__(optimizer, name)
 
-    def _accumulating_apply(self, grads, trainable_variables=None):
+    def _accumulating_apply(self, *args, **kwargs):
         step = self._local.step
+        grads, trainable_variables, _ = self._api.apply_arguments(*args, **kwargs)
         if trainable_variables is None:
             trainable_variables = self._optimizer._trainable_variables
         step.applies.append(None)
@@ -509,11 +524,9 @@ class AccumulationHook:
             )
         self._applied = (variables, [grad is not None for grad in grads])
         optimizer = self._optimizer
-        if not optimizer.built:
-            # Build its variables here, outside the update's `tf.cond`.
-            with tf.init_scope():
-                optimizer.build(variables)
-                optimizer.built = True
+        # Build its variables here, outside the update's `tf.cond`.
+        with tf.init_scope():
+            self._api.build_optimizer(optimizer, variables)
 
         def add():
             self._add_to_window(grads, variables, samples, weighted_by_loss)
@@ -532,6 +545,7 @@ class AccumulationHook:
         # counts a phantom step per epoch that way).
         self._counts.assign_add(delta)
         if self._replicas > 1:
+            self._window_position.assign_add(1)
             # Keras' optimizer calls `merge_call`, which a `tf.cond` in a
             # replica context cannot hold (keras-team/keras#20582): decide in
             # the cross-replica context, as LossScaleOptimizer does.
@@ -554,10 +568,12 @@ class AccumulationHook:
         return delta * tf.cast(tf.equal(replica, 0), delta.dtype)
 
     def _end_window_if_full_on_replicas(self, strategy):
-        window = self._counts.read_value()[:_WINDOW]  # summed over replicas
+        # Every replica, on every worker, holds the same position: read this
+        # worker's own, and reduce the counts only when the window is applied.
+        position = strategy.experimental_local_results(self._window_position)[0]
         return tf.cond(
-            window[_WINDOW_MICRO] >= self._steps,
-            lambda: self._apply_on_replicas(window),
+            position >= self._steps,
+            lambda: self._apply_on_replicas(self._counts.read_value()[:_WINDOW]),
             lambda: tf.constant(False),
         )
 
@@ -595,26 +611,28 @@ class AccumulationHook:
                 accumulator.assign_add(tf.cast(grad, dtype))
         if self.summaries is not None or self.noise is not None:
             # The micro-batch's own gradient norm: one read of the gradients.
-            unscale = _keras.loss_scale(self._optimizer)
+            unscale = self._api.loss_scale(self._optimizer)
             if weighted_by_loss:
                 weight = tf.cast(samples, tf.float32)
                 unscale = weight if unscale is None else unscale * weight
-            norm = unscaled(tf.sqrt(squared_norm(grads)), unscale)
+            square = unscaled(
+                squared_norm(grads), None if unscale is None else unscale**2
+            )
             if self.summaries is not None:
-                self.summaries.on_micro_step(norm)
+                self.summaries.on_micro_step(tf.sqrt(square))
             if self.noise is not None:
-                self.noise.on_micro_step(norm, samples)
+                self.noise.on_micro_step(square, samples)
 
     def _leave_out(self):
         """Counts a non-finite micro-batch; lowers a dynamic loss scale."""
         optimizer = self._optimizer
         if _keras.scales_loss_dynamically(optimizer):
-            # As Keras' LossScaleOptimizer does for a non-finite step. What
-            # the window holds was scaled by the old scale: halve it too.
-            optimizer.step_counter.assign(0)
-            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
-            for accumulator in self._accumulators.values():
-                accumulator.assign(accumulator * 0.5)
+            # As Keras' LossScaleOptimizer does for a non-finite step. If
+            # what the window holds was scaled by the old scale, rescale it.
+            factor = self._api.lower_loss_scale(optimizer)
+            if factor is not None:
+                for accumulator in self._accumulators.values():
+                    accumulator.assign(accumulator * factor)
         return tf.constant(_MICRO_STEP, tf.int64) + tf.constant(_NONFINITE, tf.int64)
 
     def _end_window(self, **extra_counts):
@@ -659,8 +677,8 @@ class AccumulationHook:
             grads.append(tf.cast(grad, variable.dtype))
         observed = self.summaries is not None or self.noise is not None
         if observed:
-            unscale = _keras.loss_scale(self._optimizer)  # before apply changes it
-        type(self._optimizer).apply(self._optimizer, grads, variables)
+            unscale = self._api.loss_scale(self._optimizer)  # before apply changes it
+        self._api.apply(self._optimizer, grads, variables)
         for layer, _ in self._windowed_layers:
             layer._apply_window_moments()
         if self.noise is not None:
@@ -697,6 +715,8 @@ class AccumulationHook:
             self.noise.on_window_reset()
         if window is None:
             window = self._counts.read_value()[:_WINDOW]
+        if self._replicas > 1:
+            self._window_position.assign(0)
         self._counts.assign_add(
             _count_delta(
                 window_micro_steps=-window[_WINDOW_MICRO],

@@ -36,8 +36,6 @@ class NoiseScaleEstimator:
                 return tf.Variable(tf.zeros((), dtype), trainable=False, name=name)
 
             self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
-            self._micro_samples = variable("micro_samples")  # sum b, measured ones
-            self._micro_measured = variable("micro_measured")  # how many
             self._gradient_square = variable("gradient_square_ema")  # |G|^2
             self._trace = variable("trace_sigma_ema")  # tr(Sigma)
             self._micro_batch = variable("micro_batch_size")  # last B_small
@@ -45,12 +43,13 @@ class NoiseScaleEstimator:
 
     # -- in the train step ----------------------------------------------------
 
-    def on_micro_step(self, norm, samples):
-        """Adds a measured micro-batch: its gradient norm and sample count."""
-        samples = tf.cast(samples, tf.float32)
-        self._micro_squares.assign_add(samples * tf.square(norm))
-        self._micro_samples.assign_add(samples)
-        self._micro_measured.assign_add(1.0)
+    def on_micro_step(self, square, samples):
+        """Adds a micro-batch of the window: its squared gradient norm and size.
+
+        Three ops per micro-step; what the window holds in all (samples,
+        micro-batches) comes with `on_update`.
+        """
+        self._micro_squares.assign_add(tf.cast(samples, tf.float32) * square)
 
     def on_update(self, window_square, samples, micro_batches):
         """Adds one window's estimates.
@@ -58,13 +57,13 @@ class NoiseScaleEstimator:
         Args:
             window_square: Squared norm of the window's (normalised) gradient.
             samples: Samples the window held (B_big), int64.
-            micro_batches: Micro-batches that contributed to it, int64.
+            micro_batches: Micro-batches that contributed to it, int64: each
+                was passed to `on_micro_step`.
         """
         big = tf.cast(samples, tf.float32)
         count = tf.cast(micro_batches, tf.float32)
-        measured = tf.maximum(self._micro_samples, 1.0)
-        small = measured / tf.maximum(self._micro_measured, 1.0)
-        small_square = self._micro_squares / measured
+        small = big / tf.maximum(count, 1.0)
+        small_square = self._micro_squares / tf.maximum(big, 1.0)
 
         def add():
             gradient_square = (big * window_square - small * small_square) / (big - small)
@@ -76,13 +75,11 @@ class NoiseScaleEstimator:
             self._windows.assign_add(1)
             return tf.constant(True)
 
-        usable = tf.logical_and(count > 1.0, self._micro_measured > 0.0)
-        tf.cond(usable, add, lambda: tf.constant(False))
+        tf.cond(count > 1.0, add, lambda: tf.constant(False))
         self.on_window_reset()
 
     def on_window_reset(self):
-        for variable in (self._micro_squares, self._micro_samples, self._micro_measured):
-            variable.assign(0.0)
+        self._micro_squares.assign(0.0)
 
     def current(self):
         """B_simple now as a float32 tensor, NaN while it is not defined."""

@@ -1,0 +1,100 @@
+"""Keras 2 (`tf_keras`) imported directly next to Keras 3, and multi-worker.
+
+The whole core suite also runs on tf_keras with TF_USE_LEGACY_KERAS=1 (see
+the Makefile); these tests cover what that run cannot: a `tf_keras` model in
+a process whose `keras` is Keras 3, and MultiWorkerMirroredStrategy across
+two worker processes.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tf_keras
+
+from tfaccum import GradientAccumulationCallback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("multi_worker", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b, strict=True))
+
+
+def test_tf_keras_imported_directly_next_to_keras_3():
+    import keras
+
+    assert keras.__version__.startswith("3.")
+    example = load_example()
+    x, y = example.load_data(200)
+    reference = example.build_model(tf_keras)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = example.build_model(tf_keras)
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    assert max_diff(example.build_model(tf_keras).get_weights(), model.get_weights()) > 1e-2
+    # 200 = 6 windows of 32 + a partial one of 8 (one micro-batch), per epoch.
+    assert callback.optimizer_steps == 14 == int(model.optimizer.iterations.numpy())
+    assert callback.micro_steps == 50 and callback.flushes == 2
+    assert "train_step" not in model.__dict__ and isinstance(model, tf_keras.Model)
+
+
+def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
+    # 300 samples, global micro-batch 16 (8 per worker) x 4 = batch 64: four
+    # windows and a partial one of 44 samples (3 micro-batches, the last of
+    # 12 split 6/6), per epoch.
+    args = ["--samples", "300", "--micro-batch", "16", "--accumulation-steps", "4",
+            "--epochs", "2", "--save", str(tmp_path), "--timeout", "300"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    result = subprocess.run(
+        [sys.executable, EXAMPLE, "--workers", "2", *args],
+        capture_output=True, text=True, timeout=420, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "gradients all-reduced 10 times" in result.stdout
+    workers = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    weights = [[w[f"arr_{k}"] for k in range(4)] for w in workers]
+    assert max_diff(weights[0], weights[1]) == 0  # identical on both workers
+    micro_steps, updates, flushes, all_reduces, iterations = workers[0]["counters"]
+    assert (micro_steps, updates, flushes) == (38, 10, 2)
+    assert all_reduces == updates == iterations  # once per update, not per micro-step
+    example = load_example()
+    x, y = example.load_data(300)
+    reference = example.build_model(tf_keras)
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert max_diff(reference.get_weights(), weights[0]) < 1e-5
+    assert max_diff(example.build_model(tf_keras).get_weights(), weights[0]) > 1e-2
+
+
+@pytest.mark.parametrize("legacy", ["1"])
+def test_tf_keras_through_tf_keras_switch(legacy, tmp_path):
+    """`tf.keras` is tf_keras under TF_USE_LEGACY_KERAS=1: checked in a fresh process."""
+    script = (
+        "import tensorflow as tf, numpy as np\n"
+        "from tfaccum import GradientAccumulationCallback\n"
+        "import tf_keras\n"
+        "assert tf.keras.Model is tf_keras.Model\n"
+        "m = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])\n"
+        "m.compile(optimizer='sgd', loss='mse')\n"
+        "cb = GradientAccumulationCallback(accumulation_steps=2)\n"
+        "m.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0, callbacks=[cb])\n"
+        "print(cb.micro_steps, cb.optimizer_steps)\n"
+    )
+    env = dict(os.environ, TF_USE_LEGACY_KERAS=legacy, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["4", "2"]
