@@ -145,6 +145,24 @@ export function nonFiniteMarker(cx, cy, down, title = null) {
   return svg('path', {class: 'marker marker-nonfinite', d, fill: NONFINITE_COLOR}, title);
 }
 
+/**
+ * One run's non-finite `values` as a group of markers (counted in data-count):
+ * NaN and +Inf at `topY`, -Inf at `bottomY`; each titled with its update.
+ */
+function nonFiniteMarkers(className, r, values, label, x, topY, bottomY) {
+  const group = svg('g', {class: className, 'data-run': r.run});
+  let count = 0;
+  values.forEach((v, i) => {
+    if (v === null || finite(v)) return;
+    const down = v === -Infinity;
+    group.append(nonFiniteMarker(x(r.steps[i]), down ? bottomY : topY, down,
+      `${r.run}\nupdate ${r.steps[i]}: ${label} ${v}`));
+    count += 1;
+  });
+  group.setAttribute('data-count', count);
+  return group;
+}
+
 /** A small inline SVG icon for legends: a line style or a marker. */
 export function legendIcon(kind, color = '#555') {
   const icon = svg('svg', {width: 22, height: 14, viewBox: '0 0 22 14', 'aria-hidden': 'true'});
@@ -228,17 +246,8 @@ export function lineChart(runs, {showMicro = true} = {}) {
     g.append(svg('path', {class: 'applied', d, stroke: r.color, 'data-run': r.run,
       'data-points': drawn}));
 
-    const bad = svg('g', {class: 'nonfinite', 'data-run': r.run});
-    let badCount = 0;
-    r.applied.forEach((v, i) => {
-      if (v === null || finite(v)) return;
-      const down = v === -Infinity;
-      bad.append(nonFiniteMarker(x(r.steps[i]), down ? H - m.bottom - 7 : m.top + 7, down,
-        `${r.run}\nupdate ${r.steps[i]}: applied gradient norm ${v}`));
-      badCount += 1;
-    });
-    bad.setAttribute('data-count', badCount);
-    g.append(bad);
+    g.append(nonFiniteMarkers('nonfinite', r, r.applied, 'applied gradient norm', x,
+      m.top + 7, H - m.bottom - 7));
 
     const marks = svg('g', {class: 'events', 'data-run': r.run, 'data-markers': r.events.length});
     for (const e of r.events) {
@@ -368,17 +377,8 @@ export function batchSizeChart(runs) {
     const noise = linePath(r.steps, log(r.noise), x, y);
     g.append(svg('path', {class: 'noise-scale', d: noise.d, stroke: r.color, 'data-run': r.run,
       'data-points': noise.drawn}));
-    const bad = svg('g', {class: 'noise-nonfinite', 'data-run': r.run});
-    let badCount = 0;
-    r.noise.forEach((v, i) => {
-      if (v === null || finite(v)) return;
-      const down = v === -Infinity;
-      bad.append(nonFiniteMarker(x(r.steps[i]), down ? H - m.bottom - 7 : m.top + 7, down,
-        `${r.run}\nupdate ${r.steps[i]}: noise scale ${v}`));
-      badCount += 1;
-    });
-    bad.setAttribute('data-count', badCount);
-    g.append(bad);
+    g.append(nonFiniteMarkers('noise-nonfinite', r, r.noise, 'noise scale', x,
+      m.top + 7, H - m.bottom - 7));
     root.append(g);
   }
   return withHover(root, runs, x, m, W, H, (r, i) =>
