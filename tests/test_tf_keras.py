@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import tensorflow as tf
 import pytest
 import tf_keras
 
@@ -98,3 +99,24 @@ def test_tf_keras_through_tf_keras_switch(legacy, tmp_path):
                             text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-2:] == ["4", "2"]
+
+
+def test_gradients_the_step_aggregated_itself_are_refused():
+    class PreAggregated(tf_keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compiled_loss(y, self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(
+                zip(grads, self.trainable_variables), skip_gradients_aggregation=True)
+            return {}
+
+    model = PreAggregated([tf_keras.Input((3,)), tf_keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    callback = GradientAccumulationCallback(accumulation_steps=2)
+    with pytest.raises(ValueError, match=(
+            r"cannot take gradients the train step already aggregated. Received: "
+            r"optimizer.apply_gradients\(\.\.\., skip_gradients_aggregation=True")):
+        model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, verbose=0,
+                  callbacks=[callback])

@@ -50,7 +50,6 @@ def is_tf_keras_model(model):
 class Keras3:
     """Keras 3: `train_step` calls `optimizer.scale_loss()` and `optimizer.apply()`."""
 
-    name = "Keras 3"
     # The optimizer method a train step hands its gradients to.
     apply_method = "apply"
     # Whether the sample weighting can ride on `optimizer.scale_loss()`.
@@ -58,9 +57,7 @@ class Keras3:
 
     @staticmethod
     def is_compiled(model):
-        return bool(getattr(model, "compiled", False)) and (
-            getattr(model, "optimizer", None) is not None
-        )
+        return _compiled_with_optimizer(model, "compiled")
 
     @staticmethod
     def steps_per_execution(model):
@@ -68,8 +65,8 @@ class Keras3:
 
     @staticmethod
     def apply_arguments(grads, trainable_variables=None):
-        """`(grads, variables, None)` from the patched `apply`'s arguments."""
-        return list(grads), trainable_variables, None
+        """`(grads, variables)` from the patched `apply`'s arguments."""
+        return list(grads), trainable_variables
 
     @staticmethod
     def apply(optimizer, grads, variables):
@@ -123,15 +120,12 @@ class TfKeras:
     replicas.
     """
 
-    name = "tf_keras"
     apply_method = "apply_gradients"
     scales_loss_in_step = False
 
     @staticmethod
     def is_compiled(model):
-        return bool(getattr(model, "_is_compiled", False)) and (
-            getattr(model, "optimizer", None) is not None
-        )
+        return _compiled_with_optimizer(model, "_is_compiled")
 
     @staticmethod
     def steps_per_execution(model):
@@ -151,7 +145,7 @@ class TfKeras:
                 f"{skip_gradients_aggregation}, **{kwargs})"
             )
         pairs = list(grads_and_vars)
-        return [g for g, _ in pairs], [v for _, v in pairs], name
+        return [g for g, _ in pairs], [v for _, v in pairs]
 
     @staticmethod
     def apply(optimizer, grads, variables):
@@ -180,6 +174,12 @@ class TfKeras:
             tf.maximum(state.current_loss_scale / state.multiplier, 1.0)
         )
         return None  # the window holds unscaled gradients: keep it
+
+
+def _compiled_with_optimizer(model, flag):
+    return bool(getattr(model, flag, False)) and (
+        getattr(model, "optimizer", None) is not None
+    )
 
 
 def api_for(model):

@@ -478,7 +478,7 @@ class AccumulationHook:
 
     def _accumulating_apply(self, *args, **kwargs):
         step = self._local.step
-        grads, trainable_variables, _ = self._api.apply_arguments(*args, **kwargs)
+        grads, trainable_variables = self._api.apply_arguments(*args, **kwargs)
         if trainable_variables is None:
             trainable_variables = self._optimizer._trainable_variables
         step.applies.append(None)
