@@ -6,6 +6,7 @@ from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import KERAS
 from conftest import OPTIMIZERS
 from conftest import make_data
 from conftest import make_model
@@ -321,7 +322,8 @@ def test_repr_and_config():
     callback = GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, leftover="carry")
     assert repr(callback) == ("GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, "
                               "reduction='samples', leftover='carry', verbose=0, skip_nonfinite=None, "
-                              "noise_scale=None, log_dir=None, scalars=False)")
+                              "noise_scale=None, log_dir=None, scalars=False, write_interval=30.0, "
+                              "sparse_gradients='rows')")
     assert GradientAccumulationCallback(**callback.get_config()).get_config() == callback.get_config()
 
 
@@ -373,43 +375,41 @@ def test_no_host_reads_on_inner_batches(monkeypatch):
     assert reads == ["flush"] * 4 + ["pending"]
 
 
-class DenseGradientModel(keras.Sequential):
-    """Applies embedding gradients densely: the mathematically exact large batch.
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adagrad"])
+def test_embedding_gradients_equal_keras_large_batch(optimizer):
+    """The optimizer receives the window's rows as the large batch's IndexedSlices.
 
-    Keras 3's Adam squares `IndexedSlices` values before summing rows that
-    repeat, so with repeated tokens plain large-batch training is not the
-    dense-gradient result; SGD and momentum are linear and unaffected.
+    Keras' Adam and Adagrad square each row of an `IndexedSlices` before rows
+    that repeat a token are summed: a dense sum of the window would update
+    differently from Keras' own large batch.
     """
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip([tf.convert_to_tensor(g) for g in grads], self.trainable_variables))
-        return {"loss": loss}
-
-
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
-def test_embedding_gradients_accumulate_exactly(optimizer):
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 50, size=(100, 6))
+    tokens = rng.integers(0, 20, size=(100, 6))  # tokens repeat within a batch
     y = rng.normal(size=(100, 1)).astype("float32")
+    optimizers = dict(OPTIMIZERS, adagrad=lambda: keras.optimizers.Adagrad(0.1))
 
-    def build(cls):
+    def build():
         keras.utils.set_random_seed(2)
-        model = cls([
+        model = keras.Sequential([
             keras.Input((6,), dtype="int32"),
-            keras.layers.Embedding(50, 4),
+            keras.layers.Embedding(20, 4),
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(1),
         ])
-        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+        model.compile(optimizer=optimizers[optimizer](), loss="mse")
         return model
 
-    reference = build(keras.Sequential if optimizer == "sgd_momentum" else DenseGradientModel)
+    reference = build()
     reference.fit(tokens, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = build(keras.Sequential)
+    model = build()
     model.fit(tokens, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
               callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
     assert max_weight_diff(reference, model) < TOL
+    if optimizer != "sgd_momentum" and KERAS == "keras3":
+        # On Keras 3 the dense window is measurably elsewhere (tf_keras sums
+        # repeated rows before its sparse updates: the same either way).
+        dense = build()
+        dense.fit(tokens, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulationCallback(
+                      accumulation_steps=4, sparse_gradients="dense")])
+        assert max_weight_diff(reference, dense) > 1e-3

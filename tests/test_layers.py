@@ -14,7 +14,7 @@ from tfaccum import GradientAccumulationCallback
 TOL = 1e-5
 
 
-def bn_model(layer_class, input_shape=(5,), seed=1, **bn_kwargs):
+def bn_model(layer_class, input_shape=(5,), seed=1, optimizer=None, **bn_kwargs):
     """The BN layer sees the data itself, so its statistics do not depend on
     how the other weights trained: they must match the large batch exactly."""
     keras.utils.set_random_seed(seed)
@@ -24,7 +24,7 @@ def bn_model(layer_class, input_shape=(5,), seed=1, **bn_kwargs):
         keras.layers.Flatten(),
         keras.layers.Dense(1),
     ])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss="mse")
     return model
 
 
@@ -68,7 +68,11 @@ def test_pooled_variance_includes_the_variance_between_micro_batches():
     window = layer._new_window(tf.distribute.get_strategy())
     layer._set_window(window)
     layer(np.array([[0.0], [2.0]], "float32"), training=True)  # mean 1, variance 1
+    window.commit()  # the hook commits a micro-batch when its gradient joins
     layer(np.array([[10.0], [12.0], [14.0]], "float32"), training=True)  # mean 12, var 8/3
+    window.commit()
+    layer(np.array([[1e6], [np.nan]], "float32"), training=True)  # left out:
+    window.discard()  # its gradient was not finite
     layer._apply_window_moments()
     everything = np.array([0, 2, 10, 12, 14], "float32")
     np.testing.assert_allclose(np.array(layer.moving_mean), [everything.mean()], rtol=1e-6)
@@ -141,11 +145,19 @@ def test_mixed_precision():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         x, y = shifted_data()
-        reference = bn_model(keras.layers.BatchNormalization)
+
+        def scaled_adam():  # a loss scale these models never overflow at
+            return keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.Adam(0.01), initial_scale=2**8)
+
+        reference = bn_model(keras.layers.BatchNormalization, optimizer=scaled_adam())
         reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        model = bn_model(AccumBatchNormalization)
+        assert int(reference.optimizer.iterations) == 8  # no step overflowed
+        model = bn_model(AccumBatchNormalization, optimizer=scaled_adam())
+        callback = GradientAccumulationCallback(accumulation_steps=4)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+                  callbacks=[callback])
+        assert callback.nonfinite_skips == 0
         # Statistics are computed in float32 from the same float16 inputs.
         assert model.layers[0].compute_dtype == "float16"
         assert_statistics_equal(reference, model)

@@ -14,32 +14,39 @@ from tfaccum.noise_scale import NoiseScaleEstimator
 
 def test_estimators_by_hand():
     estimator = NoiseScaleEstimator(tf.distribute.get_strategy())
+
+    def window(norms, applied_square, samples=4):
+        for norm in norms:
+            estimator.add_micro_batch(tf.constant(norm**2), tf.constant(samples, tf.int64))
+        estimator.add_window(tf.constant(applied_square),
+                             samples=tf.constant(samples * len(norms), tf.int64),
+                             micro_batches=tf.constant(len(norms), tf.int64))
+
     # A window of two micro-batches of 4 samples, squared gradient norms 9 and 25,
     # whose normalised sum has norm 2: |G_small|^2 = (9 + 25) / 2 = 17,
     # |G_big|^2 = 4, B_small = 4, B_big = 8.
-    for norm in (3.0, 5.0):
-        estimator.on_micro_step(tf.constant(norm**2), tf.constant(4, tf.int64))
-    estimator.on_update(tf.constant(4.0), samples=tf.constant(8, tf.int64),
-                        micro_batches=tf.constant(2, tf.int64))
+    window([3.0, 5.0], 4.0)
     gradient_square = (8 * 4 - 4 * 17) / (8 - 4)  # -9: a single window is noisy
     trace = (17 - 4) / (1 / 4 - 1 / 8)  # 104
     assert float(estimator._gradient_square) == pytest.approx(gradient_square)
     assert float(estimator._trace) == pytest.approx(trace)
     assert estimator.noise_scale is None  # |G|^2 <= 0: not defined yet
-    # A second window: the two averages move separately, then divide.
-    for norm in (2.0, 2.0):
-        estimator.on_micro_step(tf.constant(norm**2), tf.constant(4, tf.int64))
-    estimator.on_update(tf.constant(1.0), samples=tf.constant(8, tf.int64),
-                        micro_batches=tf.constant(2, tf.int64))
-    gradient_square = SMOOTHING * gradient_square + (1 - SMOOTHING) * ((8 - 4 * 4) / 4)
-    trace = SMOOTHING * trace + (1 - SMOOTHING) * ((4 - 1) / (1 / 4 - 1 / 8))
-    if gradient_square > 0:
-        assert estimator.noise_scale == pytest.approx(trace / gradient_square, rel=1e-5)
+    # A second window, whose |G|^2 estimate (8 * 9 - 4 * 4) / 4 = 14 makes the
+    # moving average positive: the two averages move separately, then divide.
+    window([2.0, 2.0], 9.0)
+    gradient_square = SMOOTHING * gradient_square + (1 - SMOOTHING) * ((8 * 9 - 4 * 4) / 4)
+    trace = SMOOTHING * trace + (1 - SMOOTHING) * ((4 - 9) / (1 / 4 - 1 / 8))
+    assert gradient_square < 0  # still undefined after two windows...
+    assert estimator.noise_scale is None
+    for _ in range(10):  # ...defined once enough windows pulled |G|^2 above 0
+        window([2.0, 2.0], 9.0)
+        gradient_square = SMOOTHING * gradient_square + (1 - SMOOTHING) * 14.0
+        trace = SMOOTHING * trace + (1 - SMOOTHING) * ((4 - 9) / (1 / 4 - 1 / 8))
+    assert gradient_square > 0
+    assert estimator.noise_scale == pytest.approx(trace / gradient_square, rel=1e-5)
     # A window of one micro-batch gives no estimate.
     before = int(estimator._windows)
-    estimator.on_micro_step(tf.constant(1.0), tf.constant(4, tf.int64))
-    estimator.on_update(tf.constant(1.0), samples=tf.constant(4, tf.int64),
-                        micro_batches=tf.constant(1, tf.int64))
+    window([1.0], 1.0)
     assert int(estimator._windows) == before
 
 

@@ -1,12 +1,18 @@
-"""The one place that knows which Keras a model belongs to.
+"""The one place that knows which Keras a model belongs to, and Keras' private parts.
 
 tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
 (`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one
 implementation: `hook.py` and `callback.py` ask `api_for(model)` for the few
 things the two do differently. `tf_keras` is never imported here; a model can
 only be a `tf_keras` model once its user has imported it.
+
+Every private Keras or TensorFlow attribute tfaccum uses is read or written
+here, and nowhere else; each says which versions it was checked on. "Checked"
+means read in the sources and exercised by the test suite: Keras 3.8 to
+3.15.1 and tf_keras 2.16 to 2.21 with TensorFlow 2.16 to 2.21.
 """
 
+import inspect
 import sys
 
 import keras
@@ -69,8 +75,9 @@ class Keras3:
         return list(grads), trainable_variables
 
     @staticmethod
-    def apply(optimizer, grads, variables):
-        type(optimizer).apply(optimizer, grads, variables)
+    def apply(apply, grads, variables):
+        """Calls `apply`, the optimizer's own (unpatched) `apply` method."""
+        apply(grads, variables)
 
     @staticmethod
     def build_optimizer(optimizer, variables):
@@ -102,6 +109,10 @@ class Keras3:
         return None if factor is None else tf.constant(factor, tf.float32)
 
     @staticmethod
+    def count_skipped_update(optimizer):
+        """A skipped (all non-finite) update is not counted in Keras 3."""
+
+    @staticmethod
     def lower_loss_scale(optimizer):
         """Halves a dynamic loss scale after a non-finite step, as Keras does.
 
@@ -125,10 +136,12 @@ class TfKeras:
 
     @staticmethod
     def is_compiled(model):
+        # Private: `Model._is_compiled` (tf_keras 2.16-2.21).
         return _compiled_with_optimizer(model, "_is_compiled")
 
     @staticmethod
     def steps_per_execution(model):
+        # Private: `Model._steps_per_execution` (tf_keras 2.16-2.21).
         steps = getattr(model, "_steps_per_execution", None)
         return 1 if steps is None else int(steps.numpy())
 
@@ -148,9 +161,9 @@ class TfKeras:
         return [g for g, _ in pairs], [v for _, v in pairs]
 
     @staticmethod
-    def apply(optimizer, grads, variables):
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        type(optimizer).apply_gradients(optimizer, pairs)
+    def apply(apply_gradients, grads, variables):
+        """Calls `apply_gradients`, the optimizer's own (unpatched) method."""
+        apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
 
     @staticmethod
     def build_optimizer(optimizer, variables):
@@ -165,15 +178,140 @@ class TfKeras:
         return None  # `minimize()` hands over unscaled gradients
 
     @staticmethod
+    def count_skipped_update(optimizer):
+        """tf_keras' LossScaleOptimizer counts a step it skips in `iterations`."""
+        if scales_loss_dynamically(optimizer):
+            optimizer.iterations.assign_add(1)
+
+    @staticmethod
     def lower_loss_scale(optimizer):
         if not optimizer.dynamic:
             return None
-        state = optimizer._loss_scale  # as its `apply_gradients` does
+        # Private: `LossScaleOptimizer._loss_scale` (tf_keras 2.16-2.21), as
+        # its own `apply_gradients` does.
+        state = optimizer._loss_scale
         state.counter.assign(0)
         state.current_loss_scale.assign(
             tf.maximum(state.current_loss_scale / state.multiplier, 1.0)
         )
         return None  # the window holds unscaled gradients: keep it
+
+
+def is_model(value):
+    """Whether `value` trains like a Keras model (Keras 3 or tf_keras).
+
+    Duck-typed: a `keras.Model`, or anything else with a `train_step` and
+    `make_train_function` (Keras' own tests mix its trainer into layers).
+    """
+    if isinstance(value, keras.Model):
+        return True
+    return callable(getattr(value, "make_train_function", None)) and callable(
+        getattr(value, "train_step", None)
+    )
+
+
+def api_for_model_argument(value, argument):
+    """`api_for(value)`, or a clear error naming `argument` if it is no model."""
+    if not is_model(value):
+        raise TypeError(
+            f"`{argument}` must be a compiled Keras model (keras.Model or "
+            f"tf_keras.Model). Received: {argument}={value!r} (of type "
+            f"{type(value).__name__})"
+        )
+    return api_for(value)
+
+
+def compile_config(model):
+    """What `model.compile()` was last given, to notice a recompile.
+
+    Private: `Model._compile_config` (Keras 3.0-3.15, tf_keras 2.16-2.21);
+    `None` where absent.
+    """
+    return getattr(model, "_compile_config", None)
+
+
+def optimizer_variables(optimizer):
+    """The variables a built optimizer tracks, for `apply(grads)` without them.
+
+    Private: `Optimizer._trainable_variables` (Keras 3.0-3.15).
+    """
+    return optimizer._trainable_variables
+
+
+def fit_is_running(model):
+    """Whether `model.fit` is on the call stack (called from one of its callbacks).
+
+    Looks for a frame of a function named `fit` whose `self` is `model`;
+    Keras 3 and tf_keras both run their callbacks from inside `fit`.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
+
+
+def flatten_layers(model):
+    """Every layer nested in `model`, at any depth (not `model` itself).
+
+    Private: `Layer._flatten_layers` (Keras 3.0-3.15, tf_keras 2.16-2.21).
+    """
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def batch_norm_moments(layer, inputs, mask):
+    """Per-batch mean and variance, as `BatchNormalization` computes them.
+
+    Private: `BatchNormalization._moments(inputs, mask)` (Keras 3.0-3.15).
+    """
+    return layer._moments(inputs, mask)
+
+
+def batch_norm_reduction_axes(layer):
+    """The axes `BatchNormalization` reduces over (set when it is built).
+
+    Private: `BatchNormalization._reduction_axes` (Keras 3.0-3.15).
+    """
+    return layer._reduction_axes
+
+
+def batch_norm_renorm(layer):
+    """Whether the layer uses batch renormalization.
+
+    `renorm` exists on Keras 3.10+ (and on tf_keras); earlier Keras 3
+    releases have no renormalization: `False` there.
+    """
+    return bool(getattr(layer, "renorm", False))
+
+
+def keep_as_function_call(cond_output):
+    """Asks TensorFlow not to inline the update branch into the step's graph.
+
+    Inlined (TensorFlow's default), every op of the optimizer update is
+    visited on every micro-step, as a dead branch, though it runs once per
+    window; kept as a function call, a micro-step skips it in one op. XLA
+    compiles `If` itself and needs nothing.
+
+    Private: the op attribute `_lower_using_switch_merge`, set through
+    `Operation._set_attr` (TensorFlow 2.16-2.21; `tf.cond` sets the same
+    attribute for its own lowering choice). If TensorFlow changes it, the
+    default (correct, slightly slower) is kept.
+    """
+    if tf.executing_eagerly():
+        return
+    try:
+        from tensorflow.core.framework import attr_value_pb2
+
+        op = cond_output.op
+        while op.type not in ("If", "StatelessIf"):
+            op = op.inputs[0].op
+        op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
+    except Exception:  # noqa: BLE001 - a missed speed-up, nothing worse
+        pass
 
 
 def _compiled_with_optimizer(model, flag):

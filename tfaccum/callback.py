@@ -1,18 +1,81 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
 import difflib
+import numbers
 import os
 import warnings
 
+from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
 from tfaccum.hook import AccumulationHook
 from tfaccum.hook import check_reduction
+from tfaccum.hook import check_skip_nonfinite
+from tfaccum.hook import check_sparse_gradients
 from tfaccum.noise_scale import NoiseScaleEstimator
+from tfaccum.patching import InstancePatch
 from tfaccum.schedule import AccumulationSchedule
 from tfaccum.summary import AccumulationSummaries
 
-LEFTOVERS = ("flush", "carry", "drop")
 _PAST = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
+# Constructor arguments: the attribute that holds each (get_config, repr).
+_OPTIONS = {
+    "accumulation_steps": "accumulation_steps",
+    "reduction": "reduction",
+    "leftover": "leftover",
+    "verbose": "verbose",
+    "skip_nonfinite": "skip_nonfinite",
+    "noise_scale": "noise_scale_option",
+    "log_dir": "log_dir",
+    "scalars": "scalars",
+    "write_interval": "write_interval",
+    "sparse_gradients": "sparse_gradients",
+}
+# The last hook a callback removed from a model: a new callback with the
+# same configuration reinstalls it instead of tracing a train step again.
+_SPARE_HOOK_ATTRIBUTE = "_tfaccum_spare_hook"
+
+
+def _is_plain_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_log_dir(log_dir):
+    """`log_dir` as a string, or an error if it cannot be a directory to write to.
+
+    Nothing is created here. Paths with a scheme (`gs://...`) are left to
+    TensorFlow's file system.
+    """
+    if log_dir is None:
+        return None
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            "`log_dir` must be a path (str or os.PathLike) or None. "
+            f"Received: log_dir={log_dir!r}"
+        )
+    path = os.fspath(log_dir)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path.strip():
+        raise ValueError(
+            "`log_dir` must name a directory; pass None for no summaries. "
+            f"Received: log_dir={log_dir!r}"
+        )
+    if "://" in path:
+        return path
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    problem = None
+    if not os.path.isdir(existing):
+        problem = f"{existing!r} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing!r} is not writable"
+    if problem:
+        raise ValueError(
+            "`log_dir` must be a directory tfaccum can create and write "
+            f"summaries to, but {problem}. Received: log_dir={log_dir!r}"
+        )
+    return path
 
 
 def _check_leftover(leftover):
@@ -92,6 +155,19 @@ class GradientAccumulationCallback(_keras.Callback):
             plain scalar (`accumulation/gradient_norm`) for the Scalars and
             Time Series tabs. Defaults to `False`: the Accumulation tab
             already shows it, and those tabs stay for your own metrics.
+        write_interval: With `log_dir`, seconds after which the summaries
+            recorded so far are written to disk even within an epoch, so a
+            killed process loses at most about that much. Checked on the
+            host after each batch, without reading the device. Defaults to
+            `30`.
+        sparse_gradients: `"rows"`: a sparse gradient (an embedding's
+            `IndexedSlices`) reaches the optimizer as the window's rows in one
+            `IndexedSlices`, as the large batch's would, so every optimizer
+            (Adam and Adagrad treat rows one by one) updates as for the large
+            batch; memory: the window's looked-up rows. `"dense"`: summed
+            into a dense accumulator and applied densely; memory: the whole
+            variable. Defaults to `"rows"` (`"dense"`, with a warning, under
+            `jit_compile=True` and with several replicas).
 
     Attributes (integers counted over the last `fit`):
         micro_steps: Micro-batches trained on.
@@ -121,56 +197,37 @@ class GradientAccumulationCallback(_keras.Callback):
         noise_scale=None,
         log_dir=None,
         scalars=False,
+        write_interval=30.0,
+        sparse_gradients="rows",
         **kwargs,
     ):
-        _reject_unknown(
-            kwargs,
-            [
-                "accumulation_steps",
-                "reduction",
-                "leftover",
-                "verbose",
-                "skip_nonfinite",
-                "noise_scale",
-                "log_dir",
-                "scalars",
-            ],
-        )
+        _reject_unknown(kwargs, list(_OPTIONS))
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)
         self.accumulation_steps = accumulation_steps
         self.reduction = check_reduction(reduction)
         self.leftover = _check_leftover(leftover)
-        if verbose not in (0, 1) or isinstance(verbose, float):
+        if not _is_plain_int(verbose) or verbose not in (0, 1):
             raise ValueError(
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
-        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
-            raise TypeError(
-                "`skip_nonfinite` must be None, True or False. "
-                f"Received: skip_nonfinite={skip_nonfinite!r}"
-            )
-        self.skip_nonfinite = skip_nonfinite
+        self.skip_nonfinite = check_skip_nonfinite(skip_nonfinite)
         if noise_scale is not None and not isinstance(noise_scale, bool):
             raise TypeError(
                 "`noise_scale` must be None, True or False. "
                 f"Received: noise_scale={noise_scale!r}"
             )
-        if noise_scale is True and accumulation_steps == 1 and self.schedule.is_constant:
+        if noise_scale is True and self.schedule.always_one:
             raise ValueError(
                 "The noise scale compares gradients at two batch sizes, the "
                 "micro-batch and the window: it needs `accumulation_steps` >= 2. "
-                "Received: noise_scale=True with accumulation_steps=1. Pass "
-                "noise_scale=False, or accumulate."
+                "Received: noise_scale=True with accumulation_steps="
+                f"{accumulation_steps!r}. Pass noise_scale=False, or accumulate."
             )
         self.noise_scale_option = noise_scale
         self.estimator = None  # a NoiseScaleEstimator once fit starts
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(
-                "`log_dir` must be a path (str or os.PathLike) or None. "
-                f"Received: log_dir={log_dir!r}"
-            )
+        self.log_dir = check_log_dir(log_dir)
         if not isinstance(scalars, bool):
             raise TypeError(
                 f"`scalars` must be True or False. Received: scalars={scalars!r}"
@@ -180,11 +237,23 @@ class GradientAccumulationCallback(_keras.Callback):
                 "`scalars=True` writes to `log_dir`: pass a `log_dir` too. "
                 "Received: log_dir=None"
             )
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.scalars = scalars
+        if (
+            isinstance(write_interval, bool)
+            or not isinstance(write_interval, numbers.Real)
+            or not write_interval > 0
+            or write_interval == float("inf")
+        ):
+            raise ValueError(
+                "`write_interval` must be a number of seconds > 0. "
+                f"Received: write_interval={write_interval!r}"
+            )
+        self.write_interval = float(write_interval)
+        self.sparse_gradients = check_sparse_gradients(sparse_gradients)
         self.summaries = None  # created at the first fit with a log_dir
         self.hook = None  # kept after `fit` for its counters and compiled step
         self._epoch_open = False
+        self._fit_ended = True
 
     # -- counters -------------------------------------------------------------
 
@@ -224,16 +293,7 @@ class GradientAccumulationCallback(_keras.Callback):
         return self.estimator.suggested_accumulation_steps()
 
     def get_config(self):
-        return {
-            "accumulation_steps": self.accumulation_steps,
-            "reduction": self.reduction,
-            "leftover": self.leftover,
-            "verbose": self.verbose,
-            "skip_nonfinite": self.skip_nonfinite,
-            "noise_scale": self.noise_scale_option,
-            "log_dir": self.log_dir,
-            "scalars": self.scalars,
-        }
+        return {name: getattr(self, attribute) for name, attribute in _OPTIONS.items()}
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -242,46 +302,171 @@ class GradientAccumulationCallback(_keras.Callback):
     # -- fit lifecycle ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        stale = AccumulationHook.installed_on(self.model)
-        if stale is not None:
-            window = stale.drop()
-            stale.remove()
-            warnings.warn(
-                "Removed the accumulation hook left on model "
-                f"{self.model.name!r} by an earlier `fit` that did not finish; "
-                f"discarded its {window.micro_batches} pending micro-batches "
-                f"({window.samples} samples).",
-                stacklevel=2,
-            )
-        hook = self.hook
-        if hook is not None and hook.model is self.model and hook.can_reinstall():
+        model = self.model
+        hook = self._reusable_hook(model)
+        if hook is not None:
+            if hook is not self.hook:
+                self._adopt_observers(hook)
             hook.reinstall()  # same model, same compile: no re-tracing
         else:
-            if self.log_dir is not None:
-                self.summaries = AccumulationSummaries(
-                    self.log_dir, scalars=self.scalars
-                )
-            strategy = self.model.distribute_strategy
-            self.estimator = None
-            if self.noise_scale_option or (
-                self.noise_scale_option is None
-                and strategy.num_replicas_in_sync == 1
-            ):
-                self.estimator = NoiseScaleEstimator(strategy)
-            self.hook = AccumulationHook(
-                self.model,
-                accumulation_steps=1,  # set from the schedule at each epoch start
-                reduction=self.reduction,
-                skip_nonfinite=self.skip_nonfinite,
-                summaries=self.summaries,
-                noise=self.estimator,
-            )
+            hook = self._new_hook(model)
+        self.hook = hook
+        hook._loop_running = True
         self._epoch_open = False
-        self._unwritten_micro_steps = 0
+        self._fit_ended = False
+        self._last_batch = -1
         if self.summaries is not None:
             self._summary_headroom = self.summaries.capacity - (
-                self.hook._api.steps_per_execution(self.model)
+                hook._api.steps_per_execution(model)
             )
+
+    def _configuration(self):
+        """What a hook must have been made with for this callback to reuse it."""
+        return (
+            self.reduction,
+            self.skip_nonfinite,
+            self.sparse_gradients,
+            self.log_dir is not None,
+            self._wants_noise_scale(),
+        )
+
+    def _wants_noise_scale(self):
+        if self.noise_scale_option is not None:
+            return self.noise_scale_option
+        return (
+            not self.schedule.always_one
+            and self.model.distribute_strategy.num_replicas_in_sync == 1
+        )
+
+    def _reusable_hook(self, model):
+        """A hook made for `model` with this configuration, that can be reinstalled."""
+        spare = model.__dict__.get(_SPARE_HOOK_ATTRIBUTE)
+        for hook in (self.hook, spare):
+            if (
+                hook is not None
+                and hook.model is model
+                and getattr(hook, "_tfaccum_configuration", None) == self._configuration()
+                and hook.can_reinstall()
+            ):
+                return hook
+        return None
+
+    def _adopt_observers(self, hook):
+        """Takes over the summaries and estimator of another callback's hook."""
+        self.summaries = self.estimator = None
+        for observer in hook.observers:
+            if isinstance(observer, AccumulationSummaries):
+                self.summaries = observer
+                observer.log_dir = self.log_dir
+                observer.scalars = self.scalars
+                observer.write_interval = self.write_interval
+            elif isinstance(observer, NoiseScaleEstimator):
+                self.estimator = observer
+                observer.restart()
+
+    def _new_hook(self, model):
+        strategy = model.distribute_strategy
+        replicas = strategy.num_replicas_in_sync
+        if replicas > 1:
+            unsupported = [
+                name
+                for name, used in (
+                    ("summaries (log_dir)", self.log_dir is not None),
+                    ("the noise scale", self.noise_scale_option is True),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{' and '.join(unsupported)} with several replicas is not "
+                    f"supported yet. Received: model {model.name!r} under "
+                    f"{type(strategy).__name__} with {replicas} replicas. "
+                    "Accumulate on one device for those, or leave them off."
+                )
+        self.estimator = NoiseScaleEstimator(strategy) if self._wants_noise_scale() else None
+        self.summaries = None
+        if self.log_dir is not None:
+            self.summaries = AccumulationSummaries(
+                self.log_dir,
+                scalars=self.scalars,
+                write_interval=self.write_interval,
+                noise=self.estimator,
+            )
+        observers = [o for o in (self.estimator, self.summaries) if o is not None]
+        hook = AccumulationHook(
+            model,
+            accumulation_steps=1,  # set from the schedule at each epoch start
+            reduction=self.reduction,
+            skip_nonfinite=self.skip_nonfinite,
+            sparse_gradients=self.sparse_gradients,
+            observers=observers,
+        )
+        hook._tfaccum_configuration = self._configuration()
+        try:
+            self._scope_to_fit(hook)
+        except BaseException:
+            hook._loop_running = False
+            hook.remove()
+            raise
+        return hook
+
+    def _scope_to_fit(self, hook):
+        """Makes `hook` belong to the running `fit`, however that `fit` ends.
+
+        Keras tells no callback when `fit` fails (another callback raising,
+        KeyboardInterrupt, ...). So the next `fit` or `train_on_batch` of the
+        model first removes a hook whose `fit` did not end: the model trains
+        plainly without anyone removing it by hand. And the partial window
+        left at the end is applied before Keras writes the optimizer's EMA
+        into the weights (`finalize_variable_values`), not after.
+        """
+        model = hook.model
+
+        def ended_first(name):
+            def call(*args, **kwargs):
+                self._remove_stale(hook)
+                return getattr(model, name)(*args, **kwargs)
+
+            call.__name__ = name
+            return call
+
+        for name in ("fit", "train_on_batch"):
+            hook._add_patch(InstancePatch(model, name, ended_first(name)))
+        finalize = InstancePatch(model.optimizer, "finalize_variable_values", None)
+
+        def finalize_variable_values(var_list):
+            if hook.installed and not self._fit_ended:
+                self._end_fit()
+            return finalize.original()(var_list)
+
+        finalize.value = finalize_variable_values
+        hook._add_patch(finalize)
+
+    def _remove_stale(self, hook):
+        """Removes a hook whose `fit` stopped without ending (an exception)."""
+        if not hook.installed:
+            return
+        hook._loop_running = False
+        self._fit_ended = True
+        self._epoch_open = False
+        window = hook.drop()
+        try:
+            hook._uninstall()
+        except Exception as error:  # noqa: BLE001 - the model is plain again
+            warnings.warn(
+                "Could not write what the accumulation summaries of the "
+                f"unfinished `fit` held: {type(error).__name__}: {error}",
+                stacklevel=3,
+            )
+        warnings.warn(
+            "Removed the accumulation hook of model "
+            f"{hook.model.name!r} left by a `fit` that did not finish "
+            "(it raised an exception); discarded its "
+            f"{window.micro_batches} pending micro-batches ({window.samples} "
+            "samples). This call trains the model plainly unless it is given "
+            "a GradientAccumulationCallback.",
+            stacklevel=3,
+        )
 
     def on_epoch_begin(self, epoch, logs=None):
         try:
@@ -305,12 +490,10 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.summaries is not None:
             # Write before the device buffer can fill (an update per
-            # micro-step at most); counted here, never read from the device.
-            self._unwritten_micro_steps += batch - self._last_batch
-            self._last_batch = batch
-            if self._unwritten_micro_steps >= self._summary_headroom:
-                self.summaries.write()
-                self._unwritten_micro_steps = 0
+            # micro-step at most), or when it is time to; counted here, never
+            # read from the device.
+            self.summaries.on_batch_end(batch - self._last_batch, self._summary_headroom)
+        self._last_batch = batch
         # The last batch of an epoch of known length: end the window before
         # any other callback's epoch-end work sees the weights.
         steps = (self.params or {}).get("steps")
@@ -327,7 +510,7 @@ class GradientAccumulationCallback(_keras.Callback):
             self._end_epoch()
         if self.summaries is not None:
             self.summaries.flush()
-            self._unwritten_micro_steps = 0
+        self._last_batch = -1
         if self.verbose:
             micro_start, updates_start = self._epoch_start
             _keras.print_msg(
@@ -342,9 +525,17 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_train_end(self, logs=None):
         if self.hook is None or not self.hook.installed:
             return
-        window = (
-            self.hook.drop() if self.leftover == "drop" else self.hook.flush()
-        )
+        if not self._fit_ended:
+            self._end_fit()
+        self.hook.remove()
+        self.model.__dict__[_SPARE_HOOK_ATTRIBUTE] = self.hook
+
+    def _end_fit(self):
+        """Applies or drops what is left when `fit` ends; the loop is over."""
+        hook = self.hook
+        self._fit_ended = True
+        hook._loop_running = False
+        window = hook.drop() if self.leftover == "drop" else hook.flush()
         action = "drop" if self.leftover == "drop" else "flush"
         self._log_leftover(action, window)
         if self.summaries is not None:
@@ -354,7 +545,6 @@ class GradientAccumulationCallback(_keras.Callback):
                 f"GradientAccumulationCallback: {_PAST[action]} "
                 f"{self._describe(window)} when fit ended."
             )
-        self.hook.remove()
 
     # -- helpers ----------------------------------------------------------------
 
@@ -403,5 +593,7 @@ class GradientAccumulationCallback(_keras.Callback):
     def _abandon(self):
         """Removes the hook after an error that aborts `fit`."""
         if self.hook is not None and self.hook.installed:
+            self._fit_ended = True
+            self.hook._loop_running = False
             self.hook.drop()
             self.hook.remove()

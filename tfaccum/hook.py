@@ -6,7 +6,6 @@ callback's epoch bookkeeping).
 """
 
 import collections
-import contextlib
 import dataclasses
 import threading
 import warnings
@@ -14,51 +13,48 @@ import warnings
 import tensorflow as tf
 
 from tfaccum import _keras
-from tfaccum.layers import accumulating_layers
-from tfaccum.norms import squared_norm
-from tfaccum.norms import unscaled
+from tfaccum.layers import window_observers
+from tfaccum.observers import MicroStep
+from tfaccum.observers import Update
+from tfaccum.patching import InstancePatch
+from tfaccum.patching import SharedPatches
+from tfaccum.schedule import check_steps
+from tfaccum.window import WINDOW_COUNTS
+from tfaccum.window import AccumulationWindow
 
 REDUCTIONS = ("samples", "mean", "sum")
+SPARSE_GRADIENTS = ("rows", "dense")
 
 Window = collections.namedtuple("Window", ["micro_batches", "samples"])
 Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
 
 _HOOK_ATTRIBUTE = "_tfaccum_hook"
 
-# The layout of `AccumulationHook._counts`.
-_COUNTS = (
-    "window_micro_steps",
-    "window_samples",
-    "window_nonfinite",
-    "micro_steps",
-    "optimizer_steps",
-    "flushes",
-    "dropped_micro_steps",
-    "nonfinite_skips",
-)
-_WINDOW_MICRO, _WINDOW_SAMPLES, _WINDOW_NONFINITE = 0, 1, 2
-_WINDOW = 3  # the first three counts describe the open window
-# What one micro-step adds: _MICRO_STEP + samples * _SAMPLE, or
-# _MICRO_STEP + _NONFINITE when its gradient is left out.
-_MICRO_STEP = (1, 0, 0, 1, 0, 0, 0, 0)
-_SAMPLE = (0, 1, 0, 0, 0, 0, 0, 0)
-_NONFINITE = (0, 0, 1, 0, 0, 0, 0, 1)
-
-
-def _count_delta(**deltas):
-    """An int64 vector adding `deltas` to the named counts."""
-    return tf.stack(
-        [tf.cast(deltas.get(name, 0), tf.int64) for name in _COUNTS]
-    )
-
 
 def check_reduction(reduction):
-    if reduction not in REDUCTIONS:
+    return _check_choice("reduction", reduction, REDUCTIONS)
+
+
+def check_sparse_gradients(sparse_gradients):
+    return _check_choice("sparse_gradients", sparse_gradients, SPARSE_GRADIENTS)
+
+
+def _check_choice(name, value, choices):
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(
-            f"`reduction` must be one of {', '.join(map(repr, REDUCTIONS))}. "
-            f"Received: reduction={reduction!r}"
+            f"`{name}` must be one of {', '.join(map(repr, choices))}. "
+            f"Received: {name}={value!r}"
         )
-    return reduction
+    return value
+
+
+def check_skip_nonfinite(skip_nonfinite):
+    if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
+        raise TypeError(
+            "`skip_nonfinite` must be None, True or False. "
+            f"Received: skip_nonfinite={skip_nonfinite!r}"
+        )
+    return skip_nonfinite
 
 
 @dataclasses.dataclass
@@ -66,8 +62,9 @@ class _Step:
     """One micro-step being traced: its sample count and the calls it made."""
 
     samples: object
-    applies: list = dataclasses.field(default_factory=list)
-    scales: list = dataclasses.field(default_factory=list)
+    applies: int = 0
+    weighted_by_loss: bool = False
+    scales: int = 0
 
 
 def _count_samples(data):
@@ -87,26 +84,27 @@ def _count_samples(data):
     )
 
 
-def _accumulator_dtype(variable):
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
 class AccumulationHook:
     """Makes a compiled model update its weights once per window of micro-batches.
 
     Creating the hook installs it: the model's `train_step` gets wrapped so
     that the gradients its optimizer receives are summed into accumulators,
     and the optimizer is called once every `accumulation_steps` micro-batches
-    with their normalised sum. `remove()` restores the plain model. The model's
-    `train_step` (Keras' default, or an override) must apply its gradients
-    through `self.optimizer.apply_gradients()` or `self.optimizer.apply()`,
-    exactly once per step.
+    with their normalised sum. `remove()` restores the plain model, and every
+    attribute the hook set is put back as it was. The model's `train_step`
+    (Keras' default, or an override) must apply its gradients through
+    `self.optimizer.apply_gradients()` or `self.optimizer.apply()`, at most
+    once per step; a step of a model with nothing to train passes through.
 
     A window that is not full is kept until `flush()` (apply it now,
     normalised by what it holds) or `drop()` (discard it). All per-step work
     runs inside the model's compiled train function; counters are read from
     the device only when you ask for them.
+
+    The optimizer receives the gradient the large batch would have produced:
+    the same values and the same type. A sparse (`IndexedSlices`) gradient,
+    such as an embedding's, arrives as the window's rows in one
+    `IndexedSlices` (with `sparse_gradients="rows"`).
 
     Args:
         model: A compiled Keras model.
@@ -125,8 +123,17 @@ class AccumulationHook:
             does. `None` (the default) turns it on exactly under
             `LossScaleOptimizer`, where overflow is expected; in float32 a
             non-finite gradient usually means divergence, which should show.
-        summaries: An `AccumulationSummaries` that records every update.
-        noise: A `NoiseScaleEstimator` fed every micro-step and update.
+        sparse_gradients: `"rows"` (the default) keeps a sparse gradient's
+            rows, so the optimizer receives the window's rows as the large
+            batch's `IndexedSlices` (memory: the window's looked-up rows).
+            `"dense"` scatter-adds them into a dense accumulator (memory: the
+            whole variable) and the optimizer receives a dense gradient.
+            Under `jit_compile=True` rows cannot be kept (XLA needs fixed
+            shapes) and `"dense"` is used, with a warning.
+        observers: `WindowObserver`s told of every micro-step, update and
+            reset (e.g. `AccumulationSummaries`, `NoiseScaleEstimator`).
+            `AccumBatchNormalization` layers of the model are observers too,
+            added by the hook itself.
 
     Example:
 
@@ -153,10 +160,11 @@ class AccumulationHook:
         accumulation_steps,
         reduction="samples",
         skip_nonfinite=None,
-        summaries=None,
-        noise=None,
+        sparse_gradients="rows",
+        observers=(),
     ):
-        self._api = api = _keras.api_for(model)
+        api = _keras.api_for_model_argument(model, "model")
+        self._api = api
         if not api.is_compiled(model):
             raise ValueError(
                 "The model must be compiled before gradient accumulation can "
@@ -185,58 +193,34 @@ class AccumulationHook:
             )
         self.model = model
         self.reduction = check_reduction(reduction)
-        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
-            raise TypeError(
-                "`skip_nonfinite` must be None, True or False. "
-                f"Received: skip_nonfinite={skip_nonfinite!r}"
-            )
+        self.sparse_gradients = check_sparse_gradients(sparse_gradients)
+        check_skip_nonfinite(skip_nonfinite)
         if skip_nonfinite is None:
             skip_nonfinite = _keras.scales_loss_dynamically(optimizer)
+        self.skip_nonfinite = skip_nonfinite
         self._strategy = model.distribute_strategy
         self._replicas = self._strategy.num_replicas_in_sync
-        if self._replicas > 1:
-            unsupported = [
-                name
-                for name, used in (
-                    ("skip_nonfinite (and mixed precision)", skip_nonfinite),
-                    ("summaries (log_dir)", summaries is not None),
-                    ("the noise scale", noise is not None),
-                )
-                if used
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"{' and '.join(unsupported)} with several replicas is not "
-                    f"supported yet. Received: model {model.name!r} under "
-                    f"{type(self._strategy).__name__} with {self._replicas} "
-                    "replicas. Accumulate on one device for those, or leave "
-                    "them off."
-                )
-        self.skip_nonfinite = skip_nonfinite
-        self.summaries = summaries
-        self.noise = noise
+        if self._replicas > 1 and skip_nonfinite:
+            raise ValueError(
+                "skip_nonfinite (and mixed precision) with several replicas is "
+                f"not supported yet. Received: model {model.name!r} under "
+                f"{type(self._strategy).__name__} with {self._replicas} "
+                "replicas. Accumulate on one device for it, or leave it off."
+            )
         self._optimizer = optimizer
-        self._accumulators = {}  # id(variable) -> accumulator variable
         self._local = threading.local()  # the `_Step` being traced, per thread
-        self._patch_lock = threading.Lock()
-        self._patch_depth = 0
-        self._applied = None  # (variables, has_gradient) seen when tracing
         self._train_function = None
         self._flush_function = None
         self._drop_function = None
+        self._warned_dense = False
+        self.window = AccumulationWindow(
+            self._strategy,
+            sparse_rows=sparse_gradients == "rows" and not model.jit_compile,
+        )
+        self.counts = self.window.counts
         with tf.init_scope(), self._strategy.scope():
             self._steps = tf.Variable(
                 tf.ones((), tf.int64), trainable=False, name="accumulation_steps"
-            )
-            # One vector, so that a micro-step updates all it counts at once.
-            # With several replicas each keeps its own, read as their sum:
-            # samples from every replica, the other counts from the first.
-            self._counts = tf.Variable(
-                tf.zeros((len(_COUNTS),), tf.int64),
-                trainable=False,
-                name="counts",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
             )
             # With several replicas: micro-steps into the open window, kept
             # by every replica, so that each decides when the window is full
@@ -248,14 +232,37 @@ class AccumulationHook:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
-            if model.built:
-                for variable in model.trainable_variables:
-                    self._accumulator(variable)
-        # AccumBatchNormalization layers pool their statistics per window.
-        self._windowed_layers = [
-            (layer, layer._new_window(self._strategy))
-            for layer in accumulating_layers(model)
+        if self._replicas > 1 and model.built:
+            # Variables cannot be made inside a replica's step.
+            self.window.create_dense(model.trainable_variables)
+        self.observers = list(observers) + window_observers(model, self._strategy)
+        apply_method = api.apply_method
+        optimizer_patches = [
+            InstancePatch(optimizer, apply_method, self._accumulating_apply)
         ]
+        if (
+            api.scales_loss_in_step
+            and self.reduction == "samples"
+            and not _keras.scales_loss_dynamically(optimizer)
+        ):
+            optimizer_patches.append(
+                InstancePatch(optimizer, "scale_loss", self._sample_weighting_scale_loss)
+            )
+        # On while a step traces (or runs eagerly).
+        self._optimizer_patches = SharedPatches(optimizer_patches)
+        self._apply_patch = optimizer_patches[0]
+        self._scale_loss_patch = (
+            optimizer_patches[1] if len(optimizer_patches) > 1 else None
+        )
+        # On while the hook is installed.
+        self._train_step_patch = InstancePatch(model, "train_step", self._train_step)
+        self._installed_patches = [
+            self._train_step_patch,
+            InstancePatch(model, _HOOK_ATTRIBUTE, self),
+        ]
+        # Whether a `fit` that owns the hook is in its training loop: `None`
+        # for a hook installed by hand (any running `fit` counts).
+        self._loop_running = None
         self.set_accumulation_steps(accumulation_steps)
         self.installed = False
         self._install()
@@ -270,9 +277,13 @@ class AccumulationHook:
     def _compiled_state(self):
         """What the compiled train function depends on, besides this hook."""
         model = self.model
+        with tf.init_scope():  # also while a step traces (a host read)
+            return self._compiled_state_now(model)
+
+    def _compiled_state_now(self, model):
         return (
             model.optimizer,
-            getattr(model, "_compile_config", None),
+            _keras.compile_config(model),
             self._api.steps_per_execution(model),
             model.jit_compile,
             model.run_eagerly,
@@ -281,12 +292,12 @@ class AccumulationHook:
 
     def _install(self):
         model = self.model
-        self._had_own_train_step = "train_step" in model.__dict__
-        self._original_train_step = model.train_step
-        object.__setattr__(model, "train_step", self._train_step)
-        object.__setattr__(model, _HOOK_ATTRIBUTE, self)
-        for layer, window in self._windowed_layers:
-            layer._set_window(window)
+        self._plain_train_function = model.train_function
+        self._plain_compiled_state = self._compiled_state()
+        for patch in self._installed_patches:
+            patch.apply()
+        for observer in self.observers:
+            observer.on_install(self)
         if self._train_function is None:
             model.make_train_function(force=True)
             self._train_function = model.train_function
@@ -318,20 +329,30 @@ class AccumulationHook:
                 f"model {self.model.name!r} was recompiled or changed since. "
                 "Create a new one with `tfaccum.install_accumulation_hook()`."
             )
-        for accumulator in self._accumulators.values():
-            accumulator.assign(tf.zeros_like(accumulator))
-        for _, pooled in self._windowed_layers:
-            pooled.reset()
-        self._counts.assign(tf.zeros_like(self._counts))
+        self.window.zero()
         self._window_position.assign(0)
-        if self.summaries is not None:
-            self.summaries.on_window_reset()
+        for observer in self.observers:
+            observer.on_reset()
         self._install()
 
     def remove(self):
-        """Restores the plain model. Warns if a window was left pending."""
+        """Restores the plain model. Warns if a window was left pending.
+
+        Raises an error when called while the model's `fit` is running (from
+        a callback): the running `fit` needs the train function it has.
+        """
         if not self.installed:
             return
+        if self._loop_running is not False and _keras.fit_is_running(self.model):
+            raise RuntimeError(
+                "The accumulation hook of model "
+                f"{self.model.name!r} cannot be removed while its `fit` is "
+                "running: the running `fit` calls the accumulating train "
+                "function. To stop accumulating, stop training "
+                "(`model.stop_training = True`); the callback removes the hook "
+                "when `fit` ends. Received: a call to remove the hook from "
+                "inside `fit`."
+            )
         pending = self.pending
         if pending.micro_batches:
             warnings.warn(
@@ -344,16 +365,32 @@ class AccumulationHook:
         self._uninstall()
 
     def _uninstall(self):
+        """Puts the model back as it was; observers are told first.
+
+        The model is restored even if an observer raises (e.g. summaries
+        that cannot be written); the error then propagates.
+        """
         model = self.model
-        object.__delattr__(model, "train_step")
-        if self._had_own_train_step:
-            object.__setattr__(model, "train_step", self._original_train_step)
-        object.__delattr__(model, _HOOK_ATTRIBUTE)
-        for layer, _ in self._windowed_layers:
-            layer._set_window(None)
-        # The next `fit` (or `train_on_batch`) builds a plain train function.
-        model.train_function = None
-        self.installed = False
+        try:
+            for observer in self.observers:
+                observer.on_uninstall(self)
+        finally:
+            for patch in reversed(self._installed_patches):
+                patch.restore()
+            # The plain train function, if the model still compiles to it.
+            if self._compiled_state() == self._plain_compiled_state:
+                model.train_function = self._plain_train_function
+            else:
+                model.train_function = None
+            self._plain_train_function = None
+            self.installed = False
+
+    def _add_patch(self, patch):
+        """Holds an `InstancePatch` while the hook is installed (restored on removal)."""
+        self._installed_patches.append(patch)
+        if self.installed:
+            patch.apply()
+        return patch
 
     def __enter__(self):
         return self
@@ -374,53 +411,49 @@ class AccumulationHook:
 
     def set_accumulation_steps(self, accumulation_steps):
         """Sets the window length used from the next micro-batch on."""
-        from tfaccum.schedule import check_steps
-
         self._steps.assign(check_steps(accumulation_steps))
 
     # -- counters -----------------------------------------------------------
 
-    def _read(self, name):
-        return int(self._counts[_COUNTS.index(name)].numpy())
-
     @property
     def micro_steps(self):
-        """Micro-batches accumulated since the hook was installed."""
-        return self._read("micro_steps")
+        """Micro-batches trained on since the hook was installed."""
+        return self.counts.numpy()["micro_steps"]
 
     @property
     def optimizer_steps(self):
         """Optimizer updates made since the hook was installed."""
-        return self._read("optimizer_steps")
+        return self.counts.numpy()["optimizer_steps"]
 
     @property
     def flushes(self):
         """Partial windows applied by `flush()`."""
-        return self._read("flushes")
+        return self.counts.numpy()["flushes"]
 
     @property
     def dropped_micro_steps(self):
         """Micro-batches discarded by `drop()`."""
-        return self._read("dropped_micro_steps")
+        return self.counts.numpy()["dropped_micro_steps"]
 
     @property
     def nonfinite_skips(self):
         """Micro-batches left out of their window for non-finite gradients."""
-        return self._read("nonfinite_skips")
+        return self.counts.numpy()["nonfinite_skips"]
 
     @property
     def pending(self):
         """The `Window` accumulated but not yet applied."""
-        counts = self._counts.numpy()
-        return Window(int(counts[_WINDOW_MICRO]), int(counts[_WINDOW_SAMPLES]))
+        counts = self.counts.numpy()
+        return Window(counts["window_micro_batches"], counts["window_samples"])
 
     def __repr__(self):
+        counts = self.counts.numpy()
         return (
             f"AccumulationHook(model={self.model.name!r}, "
             f"accumulation_steps={self.accumulation_steps}, "
             f"reduction={self.reduction!r}, installed={self.installed}, "
-            f"micro_steps={self.micro_steps}, "
-            f"optimizer_steps={self.optimizer_steps})"
+            f"micro_steps={counts['micro_steps']}, "
+            f"optimizer_steps={counts['optimizer_steps']})"
         )
 
     # -- the per-step graph ---------------------------------------------------
@@ -429,15 +462,17 @@ class AccumulationHook:
         step = _Step(samples=_count_samples(data))
         # MirroredStrategy traces the step of each replica in its own thread.
         self._local.step = step
-        with self._patched_optimizer():
-            logs = self._original_train_step(data)
-        applies, scales = step.applies, step.scales
-        if len(applies) != 1 or len(scales) > 1:
+        with self._optimizer_patches.active():
+            logs = self._train_step_patch.original()(data)
+        if step.applies == 0 and not self.model.trainable_weights:
+            # Nothing to train: Keras warns and skips the update; so do we.
+            self.counts.add(self.counts.delta(micro_steps=1))
+        elif step.applies != 1 or step.scales > 1:
             self._uninstall()  # `fit` stops here; leave a plain model behind.
             raise RuntimeError(
                 f"The `train_step` of model {self.model.name!r} applied "
-                f"gradients through `self.optimizer` {len(applies)} times "
-                f"(and called `self.optimizer.scale_loss()` {len(scales)} "
+                f"gradients through `self.optimizer` {step.applies} times "
+                f"(and called `self.optimizer.scale_loss()` {step.scales} "
                 "times) in one step. Gradient accumulation needs exactly one "
                 "`self.optimizer.apply_gradients(zip(grads, variables))` (or "
                 "`self.optimizer.apply(grads, variables)`) per step, and at "
@@ -447,103 +482,91 @@ class AccumulationHook:
             )
         return logs
 
-    @contextlib.contextmanager
-    def _patched_optimizer(self):
-        """Routes the optimizer's `apply` (and `scale_loss`) to this hook.
-
-        Patched only while steps run (in graph mode: while they trace), once
-        for all replicas' threads, each of which finds its own `_Step`.
-        """
-        optimizer = self._optimizer
-        patches = {self._api.apply_method: self._accumulating_apply}
-        if (
-            self._api.scales_loss_in_step
-            and self.reduction == "samples"
-            and not _keras.scales_loss_dynamically(optimizer)
-        ):
-            patches["scale_loss"] = self._sample_weighting_scale_loss
-        with self._patch_lock:
-            if not self._patch_depth:
-                for name, patch in patches.items():
-                    object.__setattr__(optimizer, name, patch)
-            self._patch_depth += 1
-        try:
-            yield
-        finally:
-            with self._patch_lock:
-                self._patch_depth -= 1
-                if not self._patch_depth:
-                    for name in patches:
-                        object.__delattr__(optimizer, name)
-
     def _accumulating_apply(self, *args, **kwargs):
         step = self._local.step
-        grads, trainable_variables = self._api.apply_arguments(*args, **kwargs)
-        if trainable_variables is None:
-            trainable_variables = self._optimizer._trainable_variables
-        step.applies.append(None)
-        self._accumulate(
-            list(grads), list(trainable_variables), step.samples, bool(step.scales)
-        )
-
-    def _sample_weighting_scale_loss(self, loss):
-        # Weighting the loss by the sample count weights every gradient at
-        # once: cheaper than scaling each accumulated gradient.
-        step = self._local.step
-        step.scales.append(None)
-        loss = type(self._optimizer).scale_loss(self._optimizer, loss)
-        return loss * tf.cast(step.samples, loss.dtype)
-
-    def _accumulator(self, variable):
-        key = id(variable)
-        if key not in self._accumulators:
-            if self._replicas > 1 and not tf.executing_eagerly():
-                raise ValueError(
-                    f"Variable {variable.name!r} received a gradient but is "
-                    "not among the model's trainable variables. With several "
-                    "replicas, accumulators are made when the hook is "
-                    "installed, from `model.trainable_variables`."
-                )
-            with tf.init_scope(), self._strategy.scope():
-                # Each replica sums its own gradients; Keras' optimizer
-                # all-reduces them once, when the window is applied.
-                self._accumulators[key] = tf.Variable(
-                    tf.zeros(variable.shape, _accumulator_dtype(variable)),
-                    trainable=False,
-                    name="accumulated_gradient",
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
-                )
-        return self._accumulators[key]
-
-    def _accumulate(self, grads, variables, samples, weighted_by_loss):
+        grads, variables = self._api.apply_arguments(*args, **kwargs)
+        if variables is None:
+            variables = _keras.optimizer_variables(self._optimizer)
+        step.applies += 1
+        grads, variables = list(grads), list(variables)
         if len(grads) != len(variables):
             raise ValueError(
                 f"Received {len(grads)} gradients for {len(variables)} "
                 "variables in `optimizer.apply()`."
             )
-        self._applied = (variables, [grad is not None for grad in grads])
-        optimizer = self._optimizer
+        if not grads:
+            step.applies -= 1  # Keras' `apply([])` is a no-op: pass through
+            return
+        self._micro_step(grads, variables, step)
+
+    def _sample_weighting_scale_loss(self, loss):
+        # Weighting the loss by the sample count weights every gradient at
+        # once: cheaper than scaling each accumulated gradient.
+        step = self._local.step
+        step.scales += 1
+        step.weighted_by_loss = True
+        loss = self._scale_loss_patch.original()(loss)
+        return loss * tf.cast(step.samples, loss.dtype)
+
+    def _micro_step(self, grads, variables, step):
+        window = self.window
+        if self._replicas > 1 and not tf.executing_eagerly():
+            for grad, variable in zip(grads, variables):
+                if grad is not None and not window.has_accumulator(variable):
+                    raise ValueError(
+                        f"Variable {variable.name!r} received a gradient but "
+                        "is not among the model's trainable variables. With "
+                        "several replicas, accumulators are made when the hook "
+                        "is installed, from `model.trainable_variables`."
+                    )
+        window.track(grads, variables)
+        self._warn_if_densified(grads, variables)
         # Build its variables here, outside the update's `tf.cond`.
         with tf.init_scope():
-            self._api.build_optimizer(optimizer, variables)
+            self._api.build_optimizer(self._optimizer, variables)
+        samples = step.samples
+        gradient_scale = self._api.loss_scale(self._optimizer)
+        if step.weighted_by_loss:
+            weight = tf.cast(samples, tf.float32)
+            gradient_scale = weight if gradient_scale is None else gradient_scale * weight
+        micro = MicroStep(
+            grads=grads,
+            variables=variables,
+            samples=samples,
+            gradient_scale=gradient_scale,
+            mean_divisor=samples if self.reduction == "sum" else None,
+        )
+        weighted = self.reduction == "samples" and not step.weighted_by_loss
+        counts = self.counts
 
         def add():
-            self._add_to_window(grads, variables, samples, weighted_by_loss)
-            return self._first_replica_only(
-                tf.constant(_MICRO_STEP, tf.int64)
-            ) + samples * tf.constant(_SAMPLE, tf.int64)
+            window.add(grads, variables, samples if weighted else None)
+            for observer in self.observers:
+                observer.on_micro_step(micro)
+            return counts.delta(
+                micro_steps=1, window_micro_batches=1, window_samples=samples
+            )
+
+        def leave_out():
+            self._lower_loss_scale()
+            for observer in self.observers:
+                observer.on_leave_out(micro)
+            return counts.delta(
+                micro_steps=1,
+                window_micro_batches=1,
+                window_nonfinite=1,
+                nonfinite_skips=1,
+            )
 
         if self.skip_nonfinite:
-            # A non-finite micro-batch is left out; the window goes on.
-            delta = tf.cond(_all_finite(grads), add, self._leave_out)
+            delta = tf.cond(_all_finite(grads), add, leave_out)
         else:
             delta = add()
         # This update depends on `samples`, so on the micro-batch's data: when
         # a dataset of unknown length runs out, it cannot run before
         # `get_next()` fails (Keras' own `optimizer.iterations` can, and
         # counts a phantom step per epoch that way).
-        self._counts.assign_add(delta)
+        counts.add(delta)
         if self._replicas > 1:
             self._window_position.assign_add(1)
             # Keras' optimizer calls `merge_call`, which a `tf.cond` in a
@@ -554,18 +577,44 @@ class AccumulationHook:
             )
             return
         applied = tf.cond(
-            self._counts[_WINDOW_MICRO] >= self._steps,
+            counts.read()["window_micro_batches"] >= self._steps,
             self._end_window,
             lambda: tf.constant(False),
         )
-        _keep_as_function_call(applied)
+        _keras.keep_as_function_call(applied)
 
-    def _first_replica_only(self, delta):
-        """`delta` on the first replica, zero on the others (counts are summed)."""
-        if self._replicas == 1:
-            return delta
-        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-        return delta * tf.cast(tf.equal(replica, 0), delta.dtype)
+    def _warn_if_densified(self, grads, variables):
+        if self._warned_dense or self.sparse_gradients != "rows":
+            return
+        densified = [
+            variable.name
+            for grad, variable in zip(grads, variables)
+            if isinstance(grad, tf.IndexedSlices) and not self.window.uses_rows(variable)
+        ]
+        if densified:
+            self._warned_dense = True
+            reason = (
+                "jit_compile=True (XLA needs fixed shapes)"
+                if self.model.jit_compile
+                else "several replicas"
+            )
+            warnings.warn(
+                f"Sparse gradients of {densified} are accumulated densely under "
+                f"{reason}: the optimizer receives a dense gradient, which "
+                "optimizers that treat sparse rows one by one (Adam, Adagrad) "
+                "apply differently from the large batch's rows. Pass "
+                "sparse_gradients='dense' to accept this without a warning.",
+                stacklevel=2,
+            )
+
+    def _lower_loss_scale(self):
+        """Lowers a dynamic loss scale after a non-finite micro-batch, as Keras does."""
+        optimizer = self._optimizer
+        if _keras.scales_loss_dynamically(optimizer):
+            # What the window holds was scaled by the old scale: rescale it.
+            factor = self._api.lower_loss_scale(optimizer)
+            if factor is not None:
+                self.window.scale(factor)
 
     def _end_window_if_full_on_replicas(self, strategy):
         # Every replica, on every worker, holds the same position: read this
@@ -573,9 +622,14 @@ class AccumulationHook:
         position = strategy.experimental_local_results(self._window_position)[0]
         return tf.cond(
             position >= self._steps,
-            lambda: self._apply_on_replicas(self._counts.read_value()[:_WINDOW]),
+            lambda: self._apply_on_replicas(self._global_window()),
             lambda: tf.constant(False),
         )
+
+    def _global_window(self):
+        """The open window's counts over all replicas (cross-replica context)."""
+        vector = self.counts.variable.read_value()
+        return {name: vector[self.counts.names.index(name)] for name in WINDOW_COUNTS}
 
     def _apply_on_replicas(self, window, **extra_counts):
         self._strategy.extended.call_for_each_replica(
@@ -583,67 +637,38 @@ class AccumulationHook:
         )
         return tf.constant(True)
 
-    def _add_to_window(self, grads, variables, samples, weighted_by_loss):
-        weighted = self.reduction == "samples" and not weighted_by_loss
-        scales = {}  # dtype -> -samples, computed once per step
-        for grad, variable in zip(grads, variables):
-            if grad is None:
-                continue
-            accumulator = self._accumulator(variable)
-            dtype = accumulator.dtype
-            if weighted and dtype not in scales:
-                scales[dtype] = -tf.cast(samples, dtype)
-            if isinstance(grad, tf.IndexedSlices):
-                values = tf.cast(grad.values, dtype)
-                if weighted:
-                    values = values * -scales[dtype]
-                accumulator.scatter_add(
-                    tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-                )
-            elif weighted:
-                # accumulator -= (-samples) * grad, in one fused kernel.
-                tf.raw_ops.ResourceApplyGradientDescent(
-                    var=accumulator.handle,
-                    alpha=scales[dtype],
-                    delta=tf.cast(grad, dtype),
-                )
-            else:
-                accumulator.assign_add(tf.cast(grad, dtype))
-        if self.summaries is not None or self.noise is not None:
-            # The micro-batch's own gradient norm: one read of the gradients.
-            unscale = self._api.loss_scale(self._optimizer)
-            if weighted_by_loss:
-                weight = tf.cast(samples, tf.float32)
-                unscale = weight if unscale is None else unscale * weight
-            square = unscaled(
-                squared_norm(grads), None if unscale is None else unscale**2
-            )
-            if self.summaries is not None:
-                self.summaries.on_micro_step(tf.sqrt(square))
-            if self.noise is not None:
-                self.noise.on_micro_step(square, samples)
-
-    def _leave_out(self):
-        """Counts a non-finite micro-batch; lowers a dynamic loss scale."""
-        optimizer = self._optimizer
-        if _keras.scales_loss_dynamically(optimizer):
-            # As Keras' LossScaleOptimizer does for a non-finite step. If
-            # what the window holds was scaled by the old scale, rescale it.
-            factor = self._api.lower_loss_scale(optimizer)
-            if factor is not None:
-                for accumulator in self._accumulators.values():
-                    accumulator.assign(accumulator * factor)
-        return tf.constant(_MICRO_STEP, tf.int64) + tf.constant(_NONFINITE, tf.int64)
-
     def _end_window(self, **extra_counts):
         """Applies the window (if any micro-batch in it counts), then resets."""
-        window = self._counts.read_value()[:_WINDOW]
-        contributing = window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE]
+        window = self._local_window()
+        contributing = window["window_micro_batches"] - window["window_nonfinite"]
         return tf.cond(
             contributing > 0,
             lambda: self._apply_window(**extra_counts),
-            lambda: self._reset_window(window) or tf.constant(False),
+            lambda: self._skip_window(window),
         )
+
+    def _skip_window(self, window):
+        """Ends a window whose every micro-batch was left out: no update."""
+        self._api.count_skipped_update(self._optimizer)
+        self._reset(window)
+        return tf.constant(False)
+
+    def _local_window(self):
+        counts = self.counts.read()
+        return {name: counts[name] for name in WINDOW_COUNTS}
+
+    def _denominator(self, window):
+        """What the window's sum is divided by, for `self.reduction`."""
+        if self.reduction == "samples":
+            # Keras divides each replica's loss by the number of replicas
+            # and sums their gradients: undo the first, let it do the second.
+            denominator = window["window_samples"]
+            if self._replicas > 1:
+                denominator = tf.cast(denominator, tf.float64) / self._replicas
+            return denominator
+        if self.reduction == "mean":
+            return window["window_micro_batches"] - window["window_nonfinite"]
+        return None
 
     def _apply_window(self, window=None, **extra_counts):
         """Applies the normalised window through the optimizer, then resets.
@@ -651,79 +676,39 @@ class AccumulationHook:
         With several replicas this runs on each, `window` holding the counts
         of all of them; the optimizer sums the replicas' gradients.
         """
-        variables, has_gradient = self._applied
-        counts = self._counts.read_value()  # this replica's
-        local = counts[:_WINDOW]
-        if window is None:
-            window = local
-        if self.reduction == "samples":
-            # Keras divides each replica's loss by the number of replicas
-            # and sums their gradients: undo the first, let it do the second.
-            denominator = window[_WINDOW_SAMPLES]
-            if self._replicas > 1:
-                denominator = tf.cast(denominator, tf.float64) / self._replicas
-        elif self.reduction == "mean":
-            denominator = window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE]
-        else:
-            denominator = None
-        grads = []
-        for variable, present in zip(variables, has_gradient):
-            if not present:
-                grads.append(None)
-                continue
-            grad = self._accumulators[id(variable)].read_value()
-            if denominator is not None:
-                grad = grad / tf.cast(denominator, grad.dtype)
-            grads.append(tf.cast(grad, variable.dtype))
-        observed = self.summaries is not None or self.noise is not None
-        if observed:
-            unscale = self._api.loss_scale(self._optimizer)  # before apply changes it
-        self._api.apply(self._optimizer, grads, variables)
-        for layer, _ in self._windowed_layers:
-            layer._apply_window_moments()
-        if self.noise is not None:
-            self.noise.on_update(
-                unscaled(squared_norm(grads), None if unscale is None else unscale**2),
-                samples=window[_WINDOW_SAMPLES],
-                micro_batches=window[_WINDOW_MICRO] - window[_WINDOW_NONFINITE],
-            )
-        if self.summaries is not None:
-            self.summaries.on_update(
-                grads,
-                variables,
-                unscale=unscale,
-                step=self._optimizer.iterations,
-                window=window,
-                micro_steps=counts[_COUNTS.index("micro_steps")],
-                updates=counts[_COUNTS.index("optimizer_steps")] + 1,
-                nonfinite=counts[_COUNTS.index("nonfinite_skips")],
-                noise_scale=None if self.noise is None else self.noise.current(),
-                prefix=self.model.name + "/",
-            )
-        self._reset_window(local, optimizer_steps=1, **extra_counts)
+        counts = self.counts.read()  # this replica's
+        local = {name: counts[name] for name in WINDOW_COUNTS}
+        window = local if window is None else window
+        grads = self.window.gradients(self._denominator(window))
+        variables = self.window.variables
+        gradient_scale = self._api.loss_scale(self._optimizer)  # before apply
+        self._api.apply(self._apply_patch.original(), grads, variables)
+        update = Update(
+            grads=grads,
+            variables=variables,
+            gradient_scale=gradient_scale,
+            window=window,
+            counts=counts,
+            iterations=self._optimizer.iterations,
+            mean_divisor=window["window_samples"] if self.reduction == "sum" else None,
+            name_prefix=self.model.name + "/",
+        )
+        for observer in self.observers:
+            observer.on_apply(update)
+        self._reset(local, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
-    def _reset_window(self, window=None, **extra_counts):
-        """Zeroes the accumulators and takes `window` off the window counts."""
-        for accumulator in self._accumulators.values():
-            accumulator.assign(tf.zeros_like(accumulator))
-        for _, pooled in self._windowed_layers:
-            pooled.reset()
-        if self.summaries is not None:
-            self.summaries.on_window_reset()
-        if self.noise is not None:
-            self.noise.on_window_reset()
-        if window is None:
-            window = self._counts.read_value()[:_WINDOW]
+    def _reset(self, local_window, **extra_counts):
+        """Empties the window: accumulators, observers and this replica's window counts."""
+        self.window.reset()
+        for observer in self.observers:
+            observer.on_reset()
         if self._replicas > 1:
             self._window_position.assign(0)
-        self._counts.assign_add(
-            _count_delta(
-                window_micro_steps=-window[_WINDOW_MICRO],
-                window_samples=-window[_WINDOW_SAMPLES],
-                window_nonfinite=-window[_WINDOW_NONFINITE],
-            )
-            + self._first_replica_only(_count_delta(**extra_counts))
+        counts = self.counts
+        counts.add(
+            counts.delta(**{name: -local_window[name] for name in WINDOW_COUNTS})
+            + counts.delta(**extra_counts)
         )
 
     # -- host-triggered window ends -----------------------------------------
@@ -734,22 +719,22 @@ class AccumulationHook:
         return tf.function(fn, autograph=False)
 
     def _flush_graph(self):
-        window = self._counts.read_value()[:_WINDOW]
+        window = self._global_window()
         if self._replicas > 1:
             apply = lambda: self._apply_on_replicas(window, flushes=1)  # noqa: E731
         else:
             apply = lambda: self._end_window(flushes=1)  # noqa: E731
-        tf.cond(window[_WINDOW_MICRO] > 0, apply, lambda: tf.constant(False))
-        return window[:2]
+        tf.cond(window["window_micro_batches"] > 0, apply, lambda: tf.constant(False))
+        return window["window_micro_batches"], window["window_samples"]
 
     def _drop_graph(self):
-        window = self._counts.read_value()[:_WINDOW]
+        window = self._global_window()
         self._strategy.extended.call_for_each_replica(self._drop_on_replica)
-        return window[:2]
+        return window["window_micro_batches"], window["window_samples"]
 
     def _drop_on_replica(self):
-        local = self._counts.read_value()[:_WINDOW]
-        self._reset_window(local, dropped_micro_steps=local[_WINDOW_MICRO])
+        local = self._local_window()
+        self._reset(local, dropped_micro_steps=local["window_micro_batches"])
 
     def flush(self):
         """Applies a partial window now, normalised by what it holds.
@@ -757,7 +742,7 @@ class AccumulationHook:
         Returns:
             The `Window` that was applied (`Window(0, 0)` if none was pending).
         """
-        if self._applied is None:
+        if not self.window.traced:
             return Window(0, 0)
         if self._flush_function is None:
             self._flush_function = self._compile(self._flush_graph)
@@ -771,7 +756,7 @@ class AccumulationHook:
         Returns:
             The `Window` that was discarded.
         """
-        if self._applied is None:
+        if not self.window.traced:
             return Window(0, 0)
         if self._drop_function is None:
             self._drop_function = self._compile(self._drop_graph)
@@ -796,35 +781,18 @@ def _all_finite(grads):
     )
 
 
-def _keep_as_function_call(cond_output):
-    """Asks TensorFlow not to inline the update branch into the step's graph.
-
-    Inlined (TensorFlow's default), every op of the optimizer update is
-    visited on every micro-step, as a dead branch, though it runs once per
-    window; kept as a function call, a micro-step skips it in one op. XLA
-    compiles `If` itself and needs nothing. This sets the attribute that
-    `tf.cond` sets for its own lowering choice; if TensorFlow changes it,
-    the default (correct, slightly slower) is kept.
-    """
-    if tf.executing_eagerly():
-        return
-    try:
-        from tensorflow.core.framework import attr_value_pb2
-
-        op = cond_output.op
-        while op.type not in ("If", "StatelessIf"):
-            op = op.inputs[0].op
-        op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
-    except Exception:  # noqa: BLE001 - a missed speed-up, nothing worse
-        pass
-
-
 def install_accumulation_hook(
-    model, *, accumulation_steps, reduction="samples", skip_nonfinite=None
+    model,
+    *,
+    accumulation_steps,
+    reduction="samples",
+    skip_nonfinite=None,
+    sparse_gradients="rows",
 ):
     """Installs gradient accumulation on a compiled model and returns the hook.
 
-    See `AccumulationHook` for the arguments; `hook.remove()` undoes it.
+    See `AccumulationHook` for the arguments; `hook.remove()` undoes it. The
+    hook stays installed until removed, across any number of `fit` calls.
 
     Example:
 
@@ -838,18 +806,17 @@ def install_accumulation_hook(
         accumulation_steps=accumulation_steps,
         reduction=reduction,
         skip_nonfinite=skip_nonfinite,
+        sparse_gradients=sparse_gradients,
     )
 
 
 def remove_accumulation_hook(model):
     """Removes the accumulation hook from `model`, if one is installed.
 
-    Useful after `fit` was interrupted by an exception, which Keras does not
-    report to callbacks.
-
     Returns:
         The removed `AccumulationHook`, or `None` if none was installed.
     """
+    _keras.api_for_model_argument(model, "model")
     hook = AccumulationHook.installed_on(model)
     if hook is not None:
         hook.remove()

@@ -4,6 +4,9 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfaccum import _keras
+from tfaccum.observers import WindowObserver
+
 
 class PooledMoments:
     """Mean and variance of every sample of a window, added micro-batch by micro-batch.
@@ -11,8 +14,11 @@ class PooledMoments:
     Combines counts, means and sums of squared deviations exactly (Chan et al.'s
     parallel algorithm), so the result is the mean and (biased) variance of
     all samples together: the variance within micro-batches plus the variance
-    between them. Its variables live outside the layer, so the layer's weights
-    and saved files stay those of `BatchNormalization`.
+    between them. A micro-batch's statistics are first staged (`stage()`, in
+    the forward pass) and join the window only when its gradient does
+    (`commit()`); a micro-batch left out of the window is `discard()`ed. Its
+    variables live outside the layer, so the layer's weights and saved files
+    stay those of `BatchNormalization`.
     """
 
     def __init__(self, shape, strategy):
@@ -27,26 +33,96 @@ class PooledMoments:
                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 )
 
-            self.count = variable("window_count", tf.zeros((), tf.float32))
-            self.mean = variable("window_mean", tf.zeros(shape, tf.float32))
-            self.m2 = variable("window_m2", tf.zeros(shape, tf.float32))
+            def moments(prefix):
+                return (
+                    variable(prefix + "_count", tf.zeros((), tf.float32)),
+                    variable(prefix + "_mean", tf.zeros(shape, tf.float32)),
+                    variable(prefix + "_m2", tf.zeros(shape, tf.float32)),
+                )
 
-    def add(self, count, mean, variance):
-        total = self.count + count
-        delta = mean - self.mean
-        self.m2.assign(
-            self.m2 + variance * count + tf.square(delta) * self.count * count / total
+            self.count, self.mean, self.m2 = moments("window")
+            self._staged = moments("micro_batch")
+
+    @staticmethod
+    def _combine(into, count, mean, m2):
+        into_count, into_mean, into_m2 = into
+        total = into_count + count
+        safe_total = tf.maximum(total, 1.0)
+        delta = mean - into_mean
+        into_m2.assign(into_m2 + m2 + tf.square(delta) * into_count * count / safe_total)
+        into_mean.assign(into_mean + delta * count / safe_total)
+        into_count.assign(total)
+
+    def stage(self, count, mean, variance):
+        """Adds a forward pass's statistics to the micro-batch being trained."""
+        self._combine(self._staged, count, mean, variance * count)
+
+    def commit(self):
+        """Moves the staged micro-batch into the window."""
+        count, mean, m2 = self._staged
+        self._combine(
+            (self.count, self.mean, self.m2),
+            count.read_value(),
+            mean.read_value(),
+            m2.read_value(),
         )
-        self.mean.assign(self.mean + delta * count / total)
-        self.count.assign(total)
+        self.discard()
+
+    def discard(self):
+        """Forgets the staged micro-batch (its gradient was left out)."""
+        _zero(self._staged)
 
     def moments(self):
         return self.mean.read_value(), self.m2 / self.count
 
     def reset(self):
-        self.count.assign(0.0)
-        self.mean.assign(tf.zeros_like(self.mean))
-        self.m2.assign(tf.zeros_like(self.m2))
+        _zero((self.count, self.mean, self.m2))
+        self.discard()
+
+
+def _zero(variables):
+    for variable in variables:
+        variable.assign(tf.zeros_like(variable))
+
+
+class BatchNormWindows(WindowObserver):
+    """Pools the statistics of a model's `AccumBatchNormalization` layers per window."""
+
+    def __init__(self, layers, strategy):
+        self.windows = [(layer, layer._new_window(strategy)) for layer in layers]
+
+    def __repr__(self):
+        return f"BatchNormWindows({[layer.name for layer, _ in self.windows]})"
+
+    def on_micro_step(self, step):
+        for _, pooled in self.windows:
+            pooled.commit()
+
+    def on_leave_out(self, step):
+        for _, pooled in self.windows:
+            pooled.discard()
+
+    def on_apply(self, update):
+        for layer, _ in self.windows:
+            layer._apply_window_moments()
+
+    def on_reset(self):
+        for _, pooled in self.windows:
+            pooled.reset()
+
+    def on_install(self, hook):
+        for layer, pooled in self.windows:
+            layer._set_window(pooled)
+
+    def on_uninstall(self, hook):
+        for layer, _ in self.windows:
+            layer._set_window(None)
+
+
+def window_observers(model, strategy):
+    """The observers `model`'s layers need: `[BatchNormWindows]` or `[]`."""
+    layers = accumulating_layers(model)
+    return [BatchNormWindows(layers, strategy)] if layers else []
 
 
 @keras.saving.register_keras_serializable(package="tfaccum")
@@ -97,8 +173,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         # BatchNormalization's training branch, with the moving statistics
         # left to the end of the window.
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        mean, variance = self._moments(inputs, mask)
-        window.add(self._sample_count(inputs, mask), mean, variance)
+        mean, variance = _keras.batch_norm_moments(self, inputs, mask)
+        window.stage(self._sample_count(inputs, mask), mean, variance)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(
@@ -119,14 +195,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         else:
             shape = tf.shape(inputs)
             count = tf.cast(
-                tf.reduce_prod(tf.gather(shape, self._reduction_axes)), tf.float32
+                tf.reduce_prod(tf.gather(shape, _keras.batch_norm_reduction_axes(self))), tf.float32
             )
         return count
 
     # -- called by AccumulationHook ------------------------------------------
 
     def _new_window(self, strategy):
-        if self.renorm:
+        if _keras.batch_norm_renorm(self):
             raise ValueError(
                 f"Layer {self.name!r}: AccumBatchNormalization with "
                 "`renorm=True` is not supported under gradient accumulation. "
@@ -164,7 +240,7 @@ def accumulating_layers(model):
     """The `AccumBatchNormalization` layers of `model`, nested ones included."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in _keras.flatten_layers(model)
         if isinstance(layer, AccumBatchNormalization)
     ]
 

@@ -14,10 +14,12 @@ averages) before dividing.
 
 import tensorflow as tf
 
+from tfaccum.observers import WindowObserver
+
 SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
 
 
-class NoiseScaleEstimator:
+class NoiseScaleEstimator(WindowObserver):
     """Estimates B_simple from each window's micro-batch and window gradients.
 
     Within a window of B samples, its micro-batches give B_small (their mean
@@ -27,6 +29,11 @@ class NoiseScaleEstimator:
     one per window was tried and left the estimate about 4 times noisier
     (standard deviation 0.45 instead of 0.10 of the exact value). Windows of
     one micro-batch give no estimate.
+
+    Both norms are of the gradient of a mean loss over the samples: under
+    `reduction="sum"` the micro-batch's is divided by its samples and the
+    window's by the window's, which B_simple (a ratio of two squared norms)
+    does not notice when the losses were means to begin with.
     """
 
     def __init__(self, strategy):
@@ -41,24 +48,48 @@ class NoiseScaleEstimator:
             self._micro_batch = variable("micro_batch_size")  # last B_small
             self._windows = variable("noise_scale_windows", tf.int64)
 
-    # -- in the train step ----------------------------------------------------
+    def __repr__(self):
+        return f"NoiseScaleEstimator(noise_scale={self.noise_scale!r})"
 
-    def on_micro_step(self, square, samples):
+    # -- the window protocol ----------------------------------------------------
+
+    def on_micro_step(self, step):
+        self.add_micro_batch(step.mean_squared_norm, step.samples)
+
+    def on_apply(self, update):
+        self.add_window(
+            update.mean_squared_norm,
+            samples=update.window["window_samples"],
+            micro_batches=update.contributing_micro_batches,
+        )
+
+    def on_reset(self):
+        self._micro_squares.assign(0.0)
+
+    def restart(self):
+        """Forgets every estimate (a new `fit` of a new callback)."""
+        for variable in (self._micro_squares, self._gradient_square, self._trace, self._micro_batch):
+            variable.assign(tf.zeros_like(variable))
+        self._windows.assign(0)
+
+    # -- the estimators ----------------------------------------------------------
+
+    def add_micro_batch(self, square, samples):
         """Adds a micro-batch of the window: its squared gradient norm and size.
 
-        Three ops per micro-step; what the window holds in all (samples,
-        micro-batches) comes with `on_update`.
+        One op per micro-step; what the window holds in all (samples,
+        micro-batches) comes with `add_window`.
         """
         self._micro_squares.assign_add(tf.cast(samples, tf.float32) * square)
 
-    def on_update(self, window_square, samples, micro_batches):
+    def add_window(self, window_square, samples, micro_batches):
         """Adds one window's estimates.
 
         Args:
             window_square: Squared norm of the window's (normalised) gradient.
             samples: Samples the window held (B_big), int64.
             micro_batches: Micro-batches that contributed to it, int64: each
-                was passed to `on_micro_step`.
+                was passed to `add_micro_batch`.
         """
         big = tf.cast(samples, tf.float32)
         count = tf.cast(micro_batches, tf.float32)
@@ -76,10 +107,7 @@ class NoiseScaleEstimator:
             return tf.constant(True)
 
         tf.cond(count > 1.0, add, lambda: tf.constant(False))
-        self.on_window_reset()
-
-    def on_window_reset(self):
-        self._micro_squares.assign(0.0)
+        self.on_reset()
 
     def current(self):
         """B_simple now as a float32 tensor, NaN while it is not defined."""

@@ -1,6 +1,10 @@
 """`accumulation_steps` as a constant, a `{epoch: steps}` dict or a callable."""
 
+import inspect
 import numbers
+
+# The window length lives in an int64 variable.
+MAX_STEPS = 2**63 - 1
 
 
 def _is_int(value):
@@ -23,7 +27,29 @@ def check_steps(value, received=None):
         raise ValueError(
             f"`accumulation_steps` must be an integer >= 1. Received: {received}"
         )
+    if value > MAX_STEPS:
+        raise ValueError(
+            "`accumulation_steps` must be an integer >= 1 and below 2**63 "
+            f"(it is kept as an int64). Received: {received}"
+        )
     return int(value)
+
+
+def _check_arity(function):
+    """Raises unless `function` can be called with one positional argument."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it is checked when called
+    try:
+        signature.bind(0)
+    except TypeError:
+        raise TypeError(
+            "A callable `accumulation_steps` is called with the epoch (0-based) "
+            "and must return the number of micro-batches per update, e.g. "
+            "`lambda epoch: 8 if epoch < 5 else 4`. Received: "
+            f"accumulation_steps={function!r} with signature {signature}"
+        ) from None
 
 
 class AccumulationSchedule:
@@ -70,6 +96,7 @@ class AccumulationSchedule:
             )
             self._resolve = self._lookup
         elif callable(accumulation_steps):
+            _check_arity(accumulation_steps)
             self._resolve = self._call
         else:
             check_steps(accumulation_steps)
@@ -84,6 +111,18 @@ class AccumulationSchedule:
         return not callable(self.accumulation_steps) and not isinstance(
             self.accumulation_steps, dict
         )
+
+    @property
+    def always_one(self):
+        """Whether every epoch has windows of one micro-batch."""
+        if callable(self.accumulation_steps):
+            return False
+        if isinstance(self.accumulation_steps, dict):
+            return all(steps == 1 for _, steps in self._table)
+        return self.accumulation_steps == 1
+
+    def __repr__(self):
+        return f"AccumulationSchedule({self.accumulation_steps!r})"
 
     def _lookup(self, epoch):
         steps = 1

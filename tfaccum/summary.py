@@ -1,11 +1,15 @@
 """Accumulation summaries for TensorBoard's "Accumulation" dashboard.
 
 The per-update figures are computed inside the model's compiled train step and
-kept in a small ring buffer of device variables (no host round trip per
+kept in a small buffer of device variables (no host round trip per
 micro-step, and nothing XLA cannot compile); `write()` turns the buffered rows
-into summaries with one call of a TensorFlow function, at epoch ends and
-every `capacity` micro-steps. The writer is created at the first write.
+into summaries with one call of a TensorFlow function, at epoch ends, before
+the buffer can fill and every `write_interval` seconds. The writer is created
+at the first write.
 """
+
+import time
+import warnings
 
 import tensorflow as tf
 
@@ -13,6 +17,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
 from tfaccum.norms import squared_norm
+from tfaccum.observers import WindowObserver
 from tfaccum.norms import unscaled
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
@@ -22,8 +27,13 @@ _PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
 _OPTIONAL = (metadata.TAG_PREFIX + "noise_scale",)
 
 
-class AccumulationSummaries:
+class AccumulationSummaries(WindowObserver):
     """Records what each optimizer update applied and writes it as summaries.
+
+    Rows are written when the hook is removed, at every epoch end (by the
+    callback), before the device buffer can fill, and when `write_interval`
+    seconds have passed since the last write, so that a killed process loses
+    at most that much.
 
     Args:
         log_dir: Directory to write event files to.
@@ -31,15 +41,26 @@ class AccumulationSummaries:
             scalar (`accumulation/gradient_norm`), which TensorBoard's Scalars
             and Time Series tabs show next to the loss.
         capacity: Updates buffered on the device between writes.
+        write_interval: Seconds after which buffered rows are written and
+            the event file flushed, checked after each batch on the host (no
+            device read). Defaults to 30.
+        noise: A `NoiseScaleEstimator` whose estimate each row records, or
+            `None`.
     """
 
-    def __init__(self, log_dir, *, scalars=False, capacity=1024):
+    def __init__(self, log_dir, *, scalars=False, capacity=1024, write_interval=30.0, noise=None):
         self.log_dir = str(log_dir)
         self.scalars = scalars
         self.capacity = capacity
+        self.write_interval = write_interval
+        self.noise = noise
         self._writer = None
+        self._writer_dir = None
         self._write_function = None
         self._variable_names = None  # fixed when the train step is traced
+        self._last_write = time.monotonic()
+        self._unwritten_micro_steps = 0
+        self.lost_rows = 0  # updates whose rows found the buffer full
         with tf.init_scope():
             self._rows = tf.Variable(
                 tf.zeros((capacity, len(_COLUMNS)), tf.float64),
@@ -48,6 +69,10 @@ class AccumulationSummaries:
             )
             self._row_count = tf.Variable(
                 tf.zeros((), tf.int64), trainable=False, name="summary_row_count"
+            )
+            # Updates that found the buffer full (none when written in time).
+            self._overflow = tf.Variable(
+                tf.zeros((), tf.int64), trainable=False, name="summary_overflow"
             )
             # Sum and maximum of the micro-batch gradient norms in the window.
             self._micro_norm_sum = tf.Variable(
@@ -59,48 +84,26 @@ class AccumulationSummaries:
         self._norms = None  # (capacity, variables), created at first trace
 
     def __repr__(self):
-        return f"AccumulationSummaries(log_dir={self.log_dir!r}, scalars={self.scalars})"
+        return (
+            f"AccumulationSummaries(log_dir={self.log_dir!r}, "
+            f"scalars={self.scalars}, write_interval={self.write_interval})"
+        )
 
-    # -- inside the train step ------------------------------------------------
+    # -- the window protocol (inside the train step) ------------------------------
 
-    def on_micro_step(self, norm):
+    def on_micro_step(self, step):
         """Adds one micro-batch's gradient norm (few ops: every micro-step)."""
+        norm = tf.sqrt(step.squared_norm)
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
 
-    def on_update(
-        self,
-        grads,
-        variables,
-        unscale,
-        step,
-        window,
-        micro_steps,
-        updates,
-        nonfinite,
-        noise_scale=None,
-        prefix="",
-    ):
-        """Buffers one row for an optimizer update.
-
-        Args:
-            grads: The normalised gradients passed to the optimizer (or None).
-            variables: Their variables.
-            unscale: What `grads` are multiplied by (loss scaling), to undo,
-                or `None`.
-            step: `optimizer.iterations` after this update.
-            window: `(micro_batches, samples, nonfinite micro-batches)` the
-                window held, int64.
-            micro_steps: Micro-steps so far in this fit, int64.
-            updates: Optimizer updates so far in this fit, including this one.
-            nonfinite: Micro-batches left out so far in this fit, int64.
-            noise_scale: The current B_simple estimate (NaN while undefined),
-                or None when it is not estimated.
-            prefix: Left off the variables' paths (the model's name).
-        """
-        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    def on_apply(self, update):
+        """Buffers one row for an optimizer update (an `Update`)."""
+        present = [(g, v) for g, v in zip(update.grads, update.variables) if g is not None]
         if self._norms is None:
-            self._variable_names = [_variable_name(v, prefix) for _, v in present]
+            self._variable_names = [
+                _variable_name(v, update.name_prefix) for _, v in present
+            ]
             with tf.init_scope():
                 self._norms = tf.Variable(
                     tf.zeros((self.capacity, len(present)), tf.float32),
@@ -108,40 +111,72 @@ class AccumulationSummaries:
                     name="summary_accumulator_norms",
                 )
         norms = tf.stack(
-            [unscaled(tf.sqrt(squared_norm([g])), unscale) for g, _ in present]
+            [unscaled(tf.sqrt(squared_norm([g])), update.gradient_scale) for g, _ in present]
         )
-        micro_batches = tf.cast(window[0], tf.float64)
-        counted = tf.cast(window[0] - window[2], tf.float64)  # finite ones
+        window, counts = update.window, update.counts
+        micro_steps = counts["micro_steps"]
+        updates = counts["optimizer_steps"] + 1
+        noise_scale = float("nan") if self.noise is None else self.noise.current()
         row = tf.stack(
             [
-                tf.cast(step, tf.float64),
+                tf.cast(update.iterations, tf.float64),
                 tf.cast(tf.norm(norms), tf.float64),
-                tf.cast(self._micro_norm_sum, tf.float64) / counted,
+                tf.cast(self._micro_norm_sum, tf.float64)
+                / tf.cast(update.contributing_micro_batches, tf.float64),
                 tf.cast(self._micro_norm_max, tf.float64),
-                micro_batches,
-                tf.cast(window[1], tf.float64),
+                tf.cast(window["window_micro_batches"], tf.float64),
+                tf.cast(window["window_samples"], tf.float64),
                 tf.cast(micro_steps, tf.float64),
                 tf.cast(micro_steps - updates, tf.float64),
-                tf.cast(nonfinite, tf.float64),
-                tf.cast(
-                    float("nan") if noise_scale is None else noise_scale, tf.float64
-                ),
+                tf.cast(counts["nonfinite_skips"], tf.float64),
+                tf.cast(noise_scale, tf.float64),
             ]
         )
-        # The host writes before the buffer can fill; never index past it.
-        index = tf.minimum(self._row_count.read_value(), self.capacity - 1)
-        self._rows.scatter_nd_update([[index]], [row])
-        self._norms.scatter_nd_update([[index]], [norms])
-        self._row_count.assign(index + 1)
+        index = self._row_count.read_value()
 
-    def on_window_reset(self):
+        def store():
+            self._rows.scatter_nd_update([[index]], [row])
+            self._norms.scatter_nd_update([[index]], [norms])
+            self._row_count.assign(index + 1)
+            return tf.constant(True)
+
+        def lose():
+            # Never overwrite a row: count what was lost, the host warns.
+            self._overflow.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(index < self.capacity, store, lose)
+
+    def on_reset(self):
         self._micro_norm_sum.assign(0.0)
         self._micro_norm_max.assign(0.0)
+
+    def on_uninstall(self, hook):
+        self.flush()
+
+    # -- on the host: when to write ------------------------------------------------
+
+    def on_batch_end(self, micro_steps, headroom):
+        """Writes when the buffer could fill or `write_interval` has passed.
+
+        Args:
+            micro_steps: Micro-steps run since the last call (host-counted).
+            headroom: Micro-steps the buffer can take before it may fill.
+        """
+        self._unwritten_micro_steps += micro_steps
+        if self._unwritten_micro_steps >= headroom:
+            self.write()
+        elif time.monotonic() - self._last_write >= self.write_interval:
+            self.flush()
 
     # -- on the host -----------------------------------------------------------
 
     def _get_writer(self):
+        if self._writer is not None and self._writer_dir != self.log_dir:
+            self._writer.close()
+            self._writer = None
         if self._writer is None:
+            self._writer_dir = self.log_dir
             # Events queue up in memory between the writes at epoch ends.
             self._writer = tf.summary.create_file_writer(
                 self.log_dir, max_queue=100_000, flush_millis=60_000
@@ -150,12 +185,27 @@ class AccumulationSummaries:
 
     def write(self):
         """Writes the buffered rows as summaries and empties the buffer."""
+        self._unwritten_micro_steps = 0
+        self._last_write = time.monotonic()
         if self._norms is None:
             return
         if self._write_function is None:
             self._write_function = tf.function(self._write_rows, autograph=False)
-        with self._get_writer().as_default():
-            self._write_function()
+        if int(self._row_count.numpy()):
+            with self._get_writer().as_default():
+                self._write_function()
+        lost = int(self._overflow.numpy())
+        if lost:
+            self._overflow.assign(0)
+            self.lost_rows += lost
+            warnings.warn(
+                f"{lost} optimizer updates' summaries found the device buffer "
+                f"of {self.capacity} rows full and were not recorded in "
+                f"{self.log_dir!r}. Write them more often: call "
+                "`summaries.write()` (or train with GradientAccumulationCallback, "
+                "which writes in time).",
+                stacklevel=2,
+            )
 
     def _write_rows(self):
         series = [
@@ -234,10 +284,17 @@ class AccumulationSummaries:
                 )
 
     def flush(self):
-        """Writes buffered rows and flushes the event file."""
+        """Writes buffered rows and flushes the event file to disk."""
         self.write()
         if self._writer is not None:
             self._writer.flush()
+
+    def close(self):
+        """Writes, flushes and closes the event file (a later write opens one)."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def _write_scalar(tag, value, step, summary_metadata):

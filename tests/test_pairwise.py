@@ -1,0 +1,211 @@
+"""Every pair of options, trained and compared with its large-batch reference.
+
+A covering array (built below, greedily and deterministically) holds every
+pair of settings of the options at least once in a few rows. Each row trains
+a tiny model with the callback and, from the same micro-batch stream, a
+reference that applies each window as one large batch with
+`train_on_batch`; the two must agree (1e-5; 1e-4 under mixed precision,
+whose float16 forward passes round differently per batch shape).
+"""
+
+import itertools
+import math
+
+from conftest import KERAS
+from conftest import keras
+import numpy as np
+import pytest
+
+from tfaccum import AccumBatchNormalization
+from tfaccum import GradientAccumulationCallback
+
+FACTORS = {
+    "reduction": ["samples", "mean", "sum"],
+    "leftover": ["flush", "carry", "drop"],
+    "skip_nonfinite": [None, True, False],
+    "noise_scale": [None, True, False],
+    "schedule": ["constant", "dict", "callable"],
+    "log_dir": [False, True],
+    "use_ema": [False, True],
+    "batch_norm": [False, True] if KERAS == "keras3" else [False],
+    "mixed_precision": [False, True],
+    "sample_weight": [False, True],
+    "steps_per_execution": [1, 3],
+}
+SCHEDULES = {  # 4 micro-batches per window in epoch 0, then 2
+    "constant": 4,
+    "dict": {0: 4, 1: 2},
+    "callable": lambda epoch: 4 if epoch == 0 else 2,
+}
+MICRO, SAMPLES, EPOCHS = 8, 104, 2  # 13 equal micro-batches per epoch
+POISONED = (0, 5)  # (epoch-independent) micro-batch whose target is NaN
+
+
+def covering_array(factors):
+    """Rows (dicts) in which every pair of two factors' levels appears."""
+    names = list(factors)
+    uncovered = {
+        (a, va, b, vb)
+        for a, b in itertools.combinations(names, 2)
+        for va in factors[a]
+        for vb in factors[b]
+    }
+    rows = []
+    while uncovered:
+        row = {}
+        for name in names:  # each factor takes the level covering most new pairs
+            def gain(level):
+                return sum(
+                    1
+                    for (a, va, b, vb) in uncovered
+                    if (a == name and va == level and row.get(b, vb) == vb and b in row)
+                    or (b == name and vb == level and row.get(a, va) == va and a in row)
+                    or (a == name and va == level and b not in row)
+                )
+            row[name] = max(factors[name], key=lambda level: (gain(level), -factors[name].index(level)))
+        covered = {
+            (a, va, b, vb) for (a, va, b, vb) in uncovered if row[a] == va and row[b] == vb
+        }
+        assert covered, "the greedy choice must make progress"
+        uncovered -= covered
+        rows.append(row)
+    return rows
+
+
+ROWS = covering_array(FACTORS)
+
+
+def test_the_array_covers_every_pair():
+    for a, b in itertools.combinations(FACTORS, 2):
+        seen = {(row[a], row[b]) for row in ROWS}
+        assert seen == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
+    assert len(ROWS) < 20  # small enough for a few minutes on 2 cores
+
+
+def data(row):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(SAMPLES, 5)) * np.arange(1, 6) + np.arange(5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) / 5 + 0.1 * rng.normal(size=(SAMPLES, 1))).astype("float32")
+    weights = np.linspace(0.2, 2.0, SAMPLES).astype("float32") if row["sample_weight"] else None
+    if poisoned(row):
+        y[POISONED[1] * MICRO + 2, 0] = np.nan
+    return x, y, weights
+
+
+def poisoned(row):
+    """Whether the row feeds a non-finite micro-batch (only where it is skipped)."""
+    skip = row["skip_nonfinite"]
+    return skip is True or (skip is None and row["mixed_precision"])
+
+
+def build(row, reference=False):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((5,))]
+    if row["batch_norm"]:
+        bn = keras.layers.BatchNormalization if reference else AccumBatchNormalization
+        layers.append(bn(momentum=0.8))
+    layers += [keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    # SGD: unlike Adam it does not hide a gradient that is off by a factor.
+    rate = 0.0005 if row["reduction"] == "sum" else 0.01
+    optimizer = keras.optimizers.SGD(rate, momentum=0.9, use_ema=row["use_ema"], ema_momentum=0.9)
+    if row["mixed_precision"]:
+        scale = (keras.mixed_precision.LossScaleOptimizer if KERAS == "tf_keras"
+                 else keras.optimizers.LossScaleOptimizer)
+        optimizer = scale(optimizer, initial_scale=2**8)
+    reduction = "sum" if row["reduction"] == "sum" else "sum_over_batch_size"
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.MeanSquaredError(reduction=reduction),
+        steps_per_execution=row["steps_per_execution"],
+    )
+    return model
+
+
+def windows(row):
+    """The windows the callback should apply: lists of (epoch, micro-batch)."""
+    steps = GradientAccumulationCallback(accumulation_steps=SCHEDULES[row["schedule"]]).schedule
+    per_epoch = math.ceil(SAMPLES / MICRO)
+    applied, current = [], []
+    for epoch in range(EPOCHS):
+        for micro in range(per_epoch):
+            current.append((epoch, micro))
+            if len(current) >= steps(epoch):
+                applied.append(current)
+                current = []
+        if current and row["leftover"] != "carry":
+            if row["leftover"] == "flush":
+                applied.append(current)
+            current = []
+    if current:  # carried to the end of fit: flushed
+        applied.append(current)
+    return applied
+
+
+def train_reference(row, x, y, weights):
+    model = build(row, reference=True)
+    for window in windows(row):
+        kept = [micro for _, micro in window if not (poisoned(row) and micro == POISONED[1])]
+        if not kept:
+            continue
+        index = np.concatenate([np.arange(m * MICRO, min((m + 1) * MICRO, SAMPLES)) for m in kept])
+        model.train_on_batch(x[index], y[index],
+                             sample_weight=None if weights is None else weights[index])
+    model.optimizer.finalize_variable_values(model.trainable_variables)  # as fit does
+    return model
+
+
+@pytest.fixture
+def policy(request):
+    row = request.param
+    keras.mixed_precision.set_global_policy("mixed_float16" if row["mixed_precision"] else "float32")
+    yield row
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def row_id(row):
+    """The row's settings that differ from the first level of their factor."""
+    return "-".join(f"{k}={v}" for k, v in row.items() if v is not FACTORS[k][0] and v != FACTORS[k][0]) or "defaults"
+
+
+@pytest.mark.parametrize("policy", ROWS, ids=[row_id(r) for r in ROWS], indirect=True)
+def test_pair(policy, tmp_path):
+    row = policy
+    x, y, weights = data(row)
+    log_dir = str(tmp_path / "run") if row["log_dir"] else None
+    model = build(row)
+    callback = GradientAccumulationCallback(
+        accumulation_steps=SCHEDULES[row["schedule"]],
+        reduction=row["reduction"],
+        leftover=row["leftover"],
+        skip_nonfinite=row["skip_nonfinite"],
+        noise_scale=row["noise_scale"],
+        log_dir=log_dir,
+    )
+    model.fit(x, y, sample_weight=weights, batch_size=MICRO, epochs=EPOCHS,
+              shuffle=False, verbose=0, callbacks=[callback])
+    reference = train_reference(row, x, y, weights)
+
+    tolerance = 1e-4 if row["mixed_precision"] else 1e-5
+    if row["batch_norm"]:
+        # The moving statistics see the data itself: the large batch's. (The
+        # other weights train on micro-batch normalisations: not comparable.)
+        pairs = [(model.layers[0].moving_mean, reference.layers[0].moving_mean),
+                 (model.layers[0].moving_variance, reference.layers[0].moving_variance)]
+    else:
+        pairs = list(zip(model.get_weights(), reference.get_weights(), strict=True))
+    for ours, theirs in pairs:
+        ours = np.asarray(ours)
+        assert np.isfinite(ours).all()
+        np.testing.assert_allclose(ours, np.asarray(theirs), atol=tolerance, rtol=tolerance)
+
+    applied = [w for w in windows(row)
+               if any(not (poisoned(row) and m == POISONED[1]) for _, m in w)]
+    assert callback.optimizer_steps == len(applied)
+    assert callback.nonfinite_skips == (EPOCHS if poisoned(row) else 0)
+    assert (callback.estimator is not None) == (row["noise_scale"] is not False)
+    if row["log_dir"]:
+        from test_summary import read_run
+        from test_summary import steps
+
+        assert len(steps(read_run(log_dir)[0], "applied_gradient_norm")) == len(applied)

@@ -1,0 +1,114 @@
+"""The window state, its named counts, and the observer protocol."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_data
+from conftest import make_model
+
+from tfaccum import AccumulationHook
+from tfaccum.observers import WindowObserver
+from tfaccum.window import TOTAL_COUNTS
+from tfaccum.window import WINDOW_COUNTS
+from tfaccum.window import AccumulationWindow
+from tfaccum.window import Counts
+
+
+def test_counts_are_read_and_written_by_name():
+    counts = Counts(tf.distribute.get_strategy())
+    assert counts.names == WINDOW_COUNTS + TOTAL_COUNTS
+    counts.add(counts.delta(micro_steps=3, window_samples=8))
+    counts.add(counts.delta(micro_steps=1, optimizer_steps=1))
+    values = counts.numpy()
+    assert values["micro_steps"] == 4 and values["window_samples"] == 8
+    assert values["optimizer_steps"] == 1 and values["flushes"] == 0
+    assert int(counts.read()["micro_steps"]) == 4
+    with pytest.raises(KeyError, match="micro_step"):
+        counts.delta(micro_step=1)
+    counts.zero()
+    assert set(counts.numpy().values()) == {0}
+
+
+def test_window_adds_weighted_dense_and_sparse_gradients():
+    window = AccumulationWindow(tf.distribute.get_strategy())
+    dense_variable = tf.Variable(tf.zeros((2,)))
+    table = tf.Variable(tf.zeros((5, 2)))
+    sparse = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([1, 1]), tf.constant([5, 2]))
+    grads = [tf.constant([1.0, 2.0]), sparse]
+    window.track(grads, [dense_variable, table])
+    window.add(grads, [dense_variable, table], weight=tf.constant(3, tf.int64))
+    window.add([tf.constant([0.5, 0.5]), tf.IndexedSlices(
+        tf.fill((1, 2), 2.0), tf.constant([4]), tf.constant([5, 2]))],
+        [dense_variable, table], weight=tf.constant(1, tf.int64))
+    dense, rows = window.gradients(denominator=tf.constant(4, tf.int64))
+    np.testing.assert_allclose(dense, [(3 + 0.5) / 4, (6 + 0.5) / 4])
+    # The rows of both micro-batches, weighted, in one IndexedSlices.
+    assert isinstance(rows, tf.IndexedSlices)
+    np.testing.assert_array_equal(rows.indices, [1, 1, 4])
+    np.testing.assert_allclose(rows.values, [[0.75, 0.75], [0.75, 0.75], [0.5, 0.5]])
+    np.testing.assert_allclose(tf.convert_to_tensor(rows)[1], [1.5, 1.5])
+    window.reset()
+    dense, rows = window.gradients()
+    assert float(tf.reduce_sum(dense)) == 0 and rows.indices.shape[0] == 0
+
+
+def test_dense_window_sums_sparse_rows():
+    window = AccumulationWindow(tf.distribute.get_strategy(), sparse_rows=False)
+    table = tf.Variable(tf.zeros((5, 2)))
+    sparse = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([1, 1]), tf.constant([5, 2]))
+    window.track([sparse], [table])
+    window.add([sparse], [table])
+    (grad,) = window.gradients()
+    assert not isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_allclose(grad[1], [2.0, 2.0])
+
+
+class Recorder(WindowObserver):
+    """A fourth observer: it needs no change to the hook."""
+
+    def __init__(self):
+        self.calls = []
+        with tf.init_scope():
+            self.micro_samples = tf.Variable(tf.zeros((), tf.int64))
+            self.applied = tf.Variable(tf.zeros((), tf.int64))
+            self.resets = tf.Variable(tf.zeros((), tf.int64))
+
+    def on_micro_step(self, step):
+        self.micro_samples.assign_add(step.samples)
+
+    def on_apply(self, update):
+        self.applied.assign_add(update.window["window_samples"])
+
+    def on_reset(self):
+        self.resets.assign_add(1)
+
+    def on_install(self, hook):
+        self.calls.append("install")
+
+    def on_uninstall(self, hook):
+        self.calls.append("uninstall")
+
+
+def test_a_new_observer_is_told_everything():
+    x, y = make_data(n=40)
+    model = make_model()
+    recorder = Recorder()
+    hook = AccumulationHook(model, accumulation_steps=2, observers=[recorder])
+    assert recorder.calls == ["install"]
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 5 micro-batches
+    assert int(recorder.micro_samples) == 40
+    assert int(recorder.applied) == 32  # two windows of 16; the fifth is pending
+    assert int(recorder.resets) == 2
+    hook.drop()
+    assert int(recorder.resets) == 3
+    hook.remove()
+    assert recorder.calls == ["install", "uninstall"]
+    assert recorder in hook.observers
+
+
+def test_hook_holds_one_window():
+    model = make_model()
+    hook = AccumulationHook(model, accumulation_steps=2)
+    assert isinstance(hook.window, AccumulationWindow)
+    assert hook.counts is hook.window.counts
+    hook.remove()

@@ -1,0 +1,142 @@
+"""What the hook tells the things that watch its window.
+
+The summaries, the noise-scale estimator and `AccumBatchNormalization`'s
+pooled statistics all follow one protocol, `WindowObserver`; the hook calls
+every observer in its list and knows none of them by name. Graph methods run
+inside the compiled train step; `on_install` and `on_uninstall` run on the
+host.
+"""
+
+import dataclasses
+import functools
+
+import tensorflow as tf
+
+from tfaccum.norms import squared_norm
+
+
+class WindowObserver:
+    """Base class of what watches an accumulation window. Every method is optional.
+
+    Graph methods (inside the compiled step):
+        on_micro_step(step): a `MicroStep` was added to the window.
+        on_leave_out(step): a `MicroStep` was left out (non-finite gradient).
+        on_apply(update): the window was applied as an `Update`.
+        on_reset(): the window was emptied (after an update, a drop, or when
+            the hook is installed again).
+
+    Host methods:
+        on_install(hook): the hook was installed on its model.
+        on_uninstall(hook): the hook is being removed.
+    """
+
+    def on_micro_step(self, step):
+        pass
+
+    def on_leave_out(self, step):
+        pass
+
+    def on_apply(self, update):
+        pass
+
+    def on_reset(self):
+        pass
+
+    def on_install(self, hook):
+        pass
+
+    def on_uninstall(self, hook):
+        pass
+
+
+@dataclasses.dataclass
+class MicroStep:
+    """One micro-batch's gradients, as the train step gave them.
+
+    Attributes:
+        grads: The gradients the step passed to the optimizer (`None` where a
+            variable got none); multiplied by `gradient_scale`.
+        variables: Their variables.
+        samples: Samples in the micro-batch (int64; this replica's).
+        gradient_scale: What `grads` are multiplied by relative to the
+            micro-batch's own (mean) loss gradient: loss scaling and sample
+            weighting; a float32 tensor or `None`.
+        mean_divisor: What the gradient of the micro-batch's loss must be
+            divided by to be a mean over its samples: its sample count under
+            `reduction="sum"`, `None` otherwise.
+    """
+
+    grads: list
+    variables: list
+    samples: tf.Tensor
+    gradient_scale: object = None
+    mean_divisor: object = None
+
+    @functools.cached_property
+    def squared_norm(self):
+        """Squared L2 norm of the micro-batch's own loss gradient (float32).
+
+        Computed once per traced step, however many observers ask.
+        """
+        square = squared_norm(self.grads)
+        if self.gradient_scale is not None:
+            square = square / tf.square(self.gradient_scale)
+        return square
+
+    @functools.cached_property
+    def mean_squared_norm(self):
+        """`squared_norm` of the gradient of the mean loss over its samples."""
+        if self.mean_divisor is None:
+            return self.squared_norm
+        return self.squared_norm / tf.square(tf.cast(self.mean_divisor, tf.float32))
+
+
+@dataclasses.dataclass
+class Update:
+    """A window applied through the optimizer.
+
+    Attributes:
+        grads: The normalised gradients the optimizer received.
+        variables: Their variables.
+        gradient_scale: What `grads` are multiplied by (loss scaling), read
+            before the update; a float32 tensor or `None`.
+        window: `{name: int64 tensor}` of the window's counts
+            (`window_micro_batches`, `window_samples`, `window_nonfinite`),
+            over all replicas.
+        counts: `{name: int64 tensor}` of this hook's counts before the
+            update (`micro_steps`, `optimizer_steps`, ...).
+        iterations: `optimizer.iterations` after the update.
+        mean_divisor: What the applied gradient must be divided by to be the
+            gradient of the mean loss over the window's samples (`reduction=
+            "sum"`), or `None`.
+        name_prefix: The model's name and "/", left off variable paths.
+    """
+
+    grads: list
+    variables: list
+    gradient_scale: object
+    window: dict
+    counts: dict
+    iterations: tf.Tensor
+    mean_divisor: object = None
+    name_prefix: str = ""
+
+    @property
+    def contributing_micro_batches(self):
+        """Micro-batches whose gradients are in the update (int64)."""
+        return self.window["window_micro_batches"] - self.window["window_nonfinite"]
+
+    @functools.cached_property
+    def squared_norm(self):
+        """Squared L2 norm of the applied gradient, loss scaling undone."""
+        square = squared_norm(self.grads)
+        if self.gradient_scale is not None:
+            square = square / tf.square(self.gradient_scale)
+        return square
+
+    @functools.cached_property
+    def mean_squared_norm(self):
+        """`squared_norm` of the gradient of the mean loss over the window."""
+        if self.mean_divisor is None:
+            return self.squared_norm
+        return self.squared_norm / tf.square(tf.cast(self.mean_divisor, tf.float32))

@@ -1,0 +1,88 @@
+"""Setting attributes on one model or optimizer instance, and putting back what was there.
+
+The hook changes no class: it sets instance attributes (the model's
+`train_step`, the optimizer's `apply` while a step traces, ...) and, when it
+is done, restores exactly what the instance held before: a user's own
+instance attribute comes back, an absent one is deleted again.
+"""
+
+import contextlib
+import threading
+
+_ABSENT = object()
+
+
+class InstancePatch:
+    """Sets `name` on `target` itself (its `__dict__`), undone by `restore()`.
+
+    Bypasses the target's `__setattr__` (Keras layers track what is set on
+    them) so that nothing but the attribute changes.
+    """
+
+    def __init__(self, target, name, value):
+        self.target = target
+        self.name = name
+        self.value = value
+        self.previous = _ABSENT
+        self.applied = False
+
+    @property
+    def had_own(self):
+        """Whether the instance held its own `name` before the patch."""
+        return self.previous is not _ABSENT
+
+    def apply(self):
+        if self.applied:
+            return
+        self.previous = self.target.__dict__.get(self.name, _ABSENT)
+        object.__setattr__(self.target, self.name, self.value)
+        self.applied = True
+
+    def restore(self):
+        if not self.applied:
+            return
+        if self.previous is _ABSENT:
+            if self.target.__dict__.get(self.name) is self.value:
+                object.__delattr__(self.target, self.name)
+        else:
+            object.__setattr__(self.target, self.name, self.previous)
+        self.previous = _ABSENT
+        self.applied = False
+
+    def original(self):
+        """What `target.name` was before the patch (or is, when not applied)."""
+        if self.applied:
+            if self.previous is not _ABSENT:
+                return self.previous
+            return getattr(type(self.target), self.name).__get__(self.target)
+        return getattr(self.target, self.name)
+
+
+class SharedPatches:
+    """Instance patches held while at least one thread is inside `active()`.
+
+    `tf.distribute.MirroredStrategy` traces each replica's step in a thread of
+    its own, at the same time: the patches go on when the first enters and
+    come off when the last leaves.
+    """
+
+    def __init__(self, patches):
+        self.patches = list(patches)
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        with self._lock:
+            if not self._depth:
+                for patch in self.patches:
+                    patch.apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if not self._depth:
+                    for patch in reversed(self.patches):
+                        patch.restore()

@@ -1,0 +1,309 @@
+"""The accumulation window: what has been added since the last update.
+
+An `AccumulationWindow` holds one accumulator per variable that received a
+gradient and the hook's `Counts`, and has the few operations a window has:
+add a micro-step, leave one out, read the normalised gradients, reset.
+Everything here runs inside the compiled train step.
+"""
+
+import tensorflow as tf
+
+# The counts a hook keeps. The `window_*` ones describe the open window and
+# go back to zero when it ends; the others count since the hook was installed.
+WINDOW_COUNTS = ("window_micro_batches", "window_samples", "window_nonfinite")
+TOTAL_COUNTS = (
+    "micro_steps",
+    "optimizer_steps",
+    "flushes",
+    "dropped_micro_steps",
+    "nonfinite_skips",
+)
+# With several replicas each replica counts its own samples (the window's are
+# their sum); every other count is kept by the first replica only.
+SUMMED_OVER_REPLICAS = ("window_samples",)
+
+
+class Counts:
+    """Named int64 counters held in one variable.
+
+    One variable, so that a micro-step updates everything it counts with one
+    op; read and written by name. With several replicas each replica keeps
+    its own vector and a read in the cross-replica context sums them.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy.
+        names: The counts, in the order they are stored.
+    """
+
+    def __init__(self, strategy, names=WINDOW_COUNTS + TOTAL_COUNTS):
+        self.names = tuple(names)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._replicas = strategy.num_replicas_in_sync
+        self._summed = tf.constant(
+            [name in SUMMED_OVER_REPLICAS for name in self.names]
+        )
+        with tf.init_scope(), strategy.scope():
+            self.variable = tf.Variable(
+                tf.zeros((len(self.names),), tf.int64),
+                trainable=False,
+                name="accumulation_counts",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+            )
+
+    def delta(self, **counts):
+        """An int64 vector adding `counts` (by name) to the stored ones.
+
+        In a replica context, counts that are not summed over replicas are
+        kept only on the first replica.
+        """
+        unknown = set(counts) - set(self._index)
+        if unknown:
+            raise KeyError(f"Unknown counts: {sorted(unknown)}")
+        vector = tf.stack(
+            [tf.cast(counts.get(name, 0), tf.int64) for name in self.names]
+        )
+        if self._replicas == 1 or not counts:
+            return vector
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return vector
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        return tf.where(tf.logical_or(self._summed, first), vector, 0)
+
+    def add(self, delta):
+        """Adds a vector made by `delta()`."""
+        self.variable.assign_add(delta)
+
+    def read(self):
+        """The counts now, as `{name: int64 tensor}` (this replica's in a replica context)."""
+        vector = self.variable.read_value()
+        return {name: vector[i] for i, name in enumerate(self.names)}
+
+    def numpy(self):
+        """The counts now, as `{name: int}`, summed over replicas (a host read)."""
+        vector = self.variable.numpy()
+        return {name: int(vector[i]) for i, name in enumerate(self.names)}
+
+    def zero(self):
+        self.variable.assign(tf.zeros_like(self.variable))
+
+
+class _DenseAccumulator:
+    """Sums gradients into a tensor of the variable's shape."""
+
+    def __init__(self, variable, synchronization, aggregation):
+        self.variable = tf.Variable(
+            tf.zeros(variable.shape, _accumulator_dtype(variable)),
+            trainable=False,
+            name="accumulated_gradient",
+            synchronization=synchronization,
+            aggregation=aggregation,
+        )
+
+    def add(self, grad, weight):
+        dtype = self.variable.dtype
+        if isinstance(grad, tf.IndexedSlices):
+            values = tf.cast(grad.values, dtype)
+            if weight is not None:
+                values = values * tf.cast(weight, dtype)
+            self.variable.scatter_add(
+                tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+            )
+        elif weight is not None:
+            # accumulator -= (-weight) * grad, in one fused kernel.
+            tf.raw_ops.ResourceApplyGradientDescent(
+                var=self.variable.handle,
+                alpha=-tf.cast(weight, dtype),
+                delta=tf.cast(grad, dtype),
+            )
+        else:
+            self.variable.assign_add(tf.cast(grad, dtype))
+
+    def read(self):
+        return self.variable.read_value()
+
+    def scale(self, factor):
+        self.variable.assign(self.variable * tf.cast(factor, self.variable.dtype))
+
+    def reset(self):
+        self.variable.assign(tf.zeros_like(self.variable))
+
+
+class _RowAccumulator:
+    """Keeps a sparse gradient's rows: the window's `IndexedSlices`, concatenated.
+
+    The large batch's gradient of an embedding is one `IndexedSlices` holding
+    a row per looked-up token; the window's is the concatenation of its
+    micro-batches' rows, each weighted. Optimizers that treat rows one by one
+    (Keras' Adam and Adagrad square each row before summing repeated ones)
+    then update as for the large batch. Holds the rows of the open window:
+    `rows x row size` values, against `variable rows x row size` for a
+    dense accumulator.
+    """
+
+    def __init__(self, variable, synchronization, aggregation):
+        dtype = _accumulator_dtype(variable)
+        row_shape = tuple(variable.shape[1:])
+        self.dense_shape = tf.constant(variable.shape, tf.int64)
+        options = dict(
+            trainable=False, synchronization=synchronization, aggregation=aggregation
+        )
+        self.indices = tf.Variable(
+            tf.zeros((0,), tf.int64),
+            shape=tf.TensorShape([None]),
+            name="accumulated_rows_indices",
+            **options,
+        )
+        self.values = tf.Variable(
+            tf.zeros((0,) + row_shape, dtype),
+            shape=tf.TensorShape((None,) + row_shape),
+            name="accumulated_rows",
+            **options,
+        )
+
+    def add(self, grad, weight):
+        values = tf.cast(grad.values, self.values.dtype)
+        if weight is not None:
+            values = values * tf.cast(weight, values.dtype)
+        indices = tf.cast(grad.indices, tf.int64)
+        self.indices.assign(tf.concat([self.indices, indices], 0))
+        self.values.assign(tf.concat([self.values, values], 0))
+
+    def read(self):
+        return tf.IndexedSlices(
+            self.values.read_value(), self.indices.read_value(), self.dense_shape
+        )
+
+    def scale(self, factor):
+        self.values.assign(self.values * tf.cast(factor, self.values.dtype))
+
+    def reset(self):
+        self.indices.assign(tf.zeros((0,), tf.int64))
+        self.values.assign(tf.zeros_like(self.values[:0]))
+
+
+class AccumulationWindow:
+    """The accumulators of an open window and the hook's counts.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy; with several replicas
+            each replica accumulates its own share and the optimizer sums them.
+        sparse_rows: Keep sparse (`IndexedSlices`) gradients as rows, so that
+            the optimizer receives the window's rows as one `IndexedSlices`
+            (as the large batch gives it). `False` scatter-adds them into a
+            dense accumulator and hands the optimizer a dense gradient.
+    """
+
+    def __init__(self, strategy, *, sparse_rows=True):
+        self.strategy = strategy
+        self.sparse_rows = sparse_rows
+        self.counts = Counts(strategy)
+        self._accumulators = {}  # id(variable) -> accumulator
+        # What the train step applies: its variables, and which of them get
+        # a gradient. Fixed when the step is traced.
+        self.variables = None
+        self.present = None
+        synchronized = strategy.num_replicas_in_sync > 1
+        self._variable_options = (
+            (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)
+            if synchronized
+            else (tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE)
+        )
+
+    @property
+    def traced(self):
+        """Whether a train step has told the window what it applies."""
+        return self.variables is not None
+
+    def track(self, grads, variables):
+        """Records what a step applies; makes the accumulators it needs.
+
+        Called while the step traces. Raises if a variable's gradient changes
+        between sparse and dense after its accumulator was made.
+        """
+        self.variables = list(variables)
+        self.present = [grad is not None for grad in grads]
+        for grad, variable in zip(grads, variables):
+            if grad is not None:
+                self._accumulator(variable, isinstance(grad, tf.IndexedSlices))
+
+    def create_dense(self, variables):
+        """Makes dense accumulators for `variables` now (outside any step)."""
+        for variable in variables:
+            self._accumulator(variable, sparse=False)
+
+    def _accumulator(self, variable, sparse):
+        key = id(variable)
+        rows = sparse and self.sparse_rows
+        accumulator = self._accumulators.get(key)
+        if accumulator is None:
+            cls = _RowAccumulator if rows else _DenseAccumulator
+            with tf.init_scope(), self.strategy.scope():
+                accumulator = cls(variable, *self._variable_options)
+            self._accumulators[key] = accumulator
+        return accumulator
+
+    def has_accumulator(self, variable):
+        return id(variable) in self._accumulators
+
+    def uses_rows(self, variable):
+        return isinstance(self._accumulators.get(id(variable)), _RowAccumulator)
+
+    def add(self, grads, variables, weight=None):
+        """Adds a micro-batch's gradients, each multiplied by `weight` if given."""
+        for grad, variable in zip(grads, variables):
+            if grad is not None:
+                self._accumulators[id(variable)].add(grad, weight)
+
+    def gradients(self, denominator=None):
+        """The window's gradients for `self.variables`, divided by `denominator`.
+
+        Dense accumulators give tensors, row accumulators `IndexedSlices`;
+        `None` where the step gives a variable no gradient.
+        """
+        grads = []
+        for variable, present in zip(self.variables, self.present):
+            if not present:
+                grads.append(None)
+                continue
+            grad = self._accumulators[id(variable)].read()
+            if denominator is not None:
+                grad = _divide(grad, denominator)
+            grads.append(_cast(grad, variable.dtype))
+        return grads
+
+    def scale(self, factor):
+        """Multiplies what the window holds by `factor` (a loss scale change)."""
+        for accumulator in self._accumulators.values():
+            accumulator.scale(factor)
+
+    def reset(self):
+        """Empties the accumulators (the counts are the caller's to adjust)."""
+        for accumulator in self._accumulators.values():
+            accumulator.reset()
+
+    def zero(self):
+        """Empties the accumulators and zeroes every count."""
+        self.reset()
+        self.counts.zero()
+
+
+def _accumulator_dtype(variable):
+    dtype = tf.as_dtype(variable.dtype)
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def _divide(grad, denominator):
+    if isinstance(grad, tf.IndexedSlices):
+        values = grad.values / tf.cast(denominator, grad.values.dtype)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return grad / tf.cast(denominator, grad.dtype)
+
+
+def _cast(grad, dtype):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.cast(grad.values, dtype), grad.indices, grad.dense_shape
+        )
+    return tf.cast(grad, dtype)
