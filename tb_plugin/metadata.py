@@ -1,8 +1,13 @@
 """What the writer (`tfaccum.summary`) and the reader (the plugin) agree on.
 
-One place for the plugin name, the content proto's version, the tags and the
-`SummaryMetadata` that marks each series.
+One place for the plugin name, the content proto's version, the tags, the
+`SummaryMetadata` that marks each series, and the vocabulary the callback,
+the plugin's JSON and the dashboard's JavaScript share: the leftover
+policies and the batch-size advisor's rule. Python defines them here, the
+`runs` route carries them (`VOCABULARY`), the page reads them from there.
 """
+
+import math
 
 from tensorboard.compat.proto import summary_pb2
 
@@ -38,7 +43,48 @@ LEFTOVER_SERIES = (
     ("leftover/micro_batches", Kind.LEFTOVER_MICRO_BATCHES),
     ("leftover/samples", Kind.LEFTOVER_SAMPLES),
 )
+# What happens to a window that is not full at an epoch's end; a leftover
+# event stores the policy's index in this tuple.
 LEFTOVER_POLICIES = ("flush", "carry", "drop")
+LEFTOVER_LABELS = {
+    "flush": "flush (applied)",
+    "carry": "carry (kept for next epoch)",
+    "drop": "drop (discarded)",
+}
+# The batch-size advisor: an effective batch more than ADVICE_BAND times
+# B_simple means "accumulate less", less than B_simple / ADVICE_BAND "more".
+ADVICE_BAND = 2.0
+
+
+def suggested_accumulation_steps(noise_scale, micro_batch):
+    """The `accumulation_steps` whose effective batch is closest to B_simple.
+
+    `max(1, round(noise_scale / micro_batch))`, rounding halves up (as
+    JavaScript's `Math.round` does for positive numbers). `None` when either
+    is not a positive number.
+    """
+    if not (noise_scale and micro_batch and noise_scale > 0 and micro_batch > 0):
+        return None
+    if not math.isfinite(noise_scale / micro_batch):
+        return None
+    return max(1, math.floor(noise_scale / micro_batch + 0.5))
+
+
+def batch_advice(batch, noise_scale):
+    """`"less"`, `"more"` or `"good"`: the effective `batch` against B_simple."""
+    if batch > ADVICE_BAND * noise_scale:
+        return "less"
+    if batch < noise_scale / ADVICE_BAND:
+        return "more"
+    return "good"
+
+
+# Carried by the `runs` route for the dashboard.
+VOCABULARY = {
+    "leftover_policies": list(LEFTOVER_POLICIES),
+    "leftover_labels": LEFTOVER_LABELS,
+    "advice_band": ADVICE_BAND,
+}
 
 _DESCRIPTIONS = {
     Kind.APPLIED_GRADIENT_NORM: "Global L2 norm of the gradient applied at each optimizer update.",
@@ -51,7 +97,9 @@ _DESCRIPTIONS = {
     Kind.SKIPPED_UPDATES: "Micro-steps so far in this fit that did not update the optimizer.",
     Kind.NONFINITE_SKIPS: "Micro-batches so far left out of their window for non-finite gradients.",
     Kind.NOISE_SCALE: "Gradient noise scale B_simple (McCandlish et al. 2018), smoothed.",
-    Kind.LEFTOVER_POLICY: "Partial window at an epoch's or fit's end: 0 flushed, 1 carried, 2 dropped.",
+    Kind.LEFTOVER_POLICY: "Partial window at an epoch's or fit's end: "
+    + ", ".join(f"{i} {policy}" for i, policy in enumerate(LEFTOVER_POLICIES))
+    + ".",
     Kind.LEFTOVER_MICRO_BATCHES: "Micro-batches the partial window held.",
     Kind.LEFTOVER_SAMPLES: "Samples the partial window held.",
 }

@@ -126,7 +126,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                     if data.kind == metadata.Kind.ACCUMULATOR_NORM
                 ),
             })
-        return {"runs": runs}
+        return {"runs": runs, "vocabulary": metadata.VOCABULARY}
 
     def series_impl(self, ctx, experiment, run, points=DEFAULT_POINTS,
                     columns=DEFAULT_COLUMNS):

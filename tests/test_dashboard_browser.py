@@ -23,6 +23,8 @@ from conftest import make_model
 
 from tensorboard_server import TensorBoard
 
+from tb_plugin import metadata
+
 from tfaccum import GradientAccumulationCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,9 +99,9 @@ def expected_advice(series, events):
     at = (full or windows)[-1]
     noise, batch = estimates[-1], column["window_samples"][at]
     micro_batch = batch / column["window_micro_batches"][at]
-    suggested = max(1, math.floor(noise / micro_batch + 0.5))  # Math.round
-    advice = "less" if batch > 2 * noise else "more" if batch < noise / 2 else "good"
-    return advice, str(suggested), batch
+    # The rule as the callback applies it: one definition, in metadata.
+    suggested = metadata.suggested_accumulation_steps(noise, micro_batch)
+    return metadata.batch_advice(batch, noise), str(suggested), batch
 
 
 # -- browser ----------------------------------------------------------------------
@@ -309,6 +311,8 @@ ADVISOR_CASES = {
     "good": ([40, 40, 40], [32, 32, 8], [4, 4, 1], [3], "good", "5", 3, 0),
     # B = 2 x B_simple exactly is still "good".
     "good-edge": ([32], [64], [8], [], "good", "4", 1, 0),
+    # 20 / 8 = 2.5 rounds half up to 3, in Python (metadata) as in the page.
+    "half-up": ([20], [64], [8], [], "less", "3", 1, 0),
     "unknown": ([None, "NaN"], [16, 16], [2, 2], [], "unknown", "", 0, 1),
 }
 
@@ -347,7 +351,8 @@ def test_batch_size_advice_for_known_numbers(browser, served):
         route_name = url.path.rsplit("/", 1)[-1]
         if route_name == "runs":
             body = {"runs": [{"run": run, "updates": len(case[0]), "variables": 0}
-                             for run, case in ADVISOR_CASES.items()]}
+                             for run, case in ADVISOR_CASES.items()],
+                    "vocabulary": metadata.VOCABULARY}
         else:
             run = urllib.parse.parse_qs(url.query)["run"][0]
             body = dict(zip(("series", "events"), synthetic_run(run)))[route_name]
@@ -421,7 +426,7 @@ def test_empty_state_without_accumulation_runs(browser, tmp_path):
     try:
         server.wait_started()
         server.wait_for(lambda tb: "plain" in tb.get_json("data/runs"), "the plain run")
-        assert server.get_json(API + "runs") == {"runs": []}
+        assert server.get_json(API + "runs") == {"runs": [], "vocabulary": metadata.VOCABULARY}
         # TensorBoard shows no tab for a plugin without data: open the tab's document.
         page = open_page(browser, server.url + ENTRY)
         page.wait_for_function(READY)

@@ -33,3 +33,18 @@ def test_every_kind_has_a_description():
     for name in kinds.keys():
         if name != "KIND_UNSPECIFIED":
             metadata.create_summary_metadata(kinds.Value(name))  # no KeyError
+
+
+def test_the_advisor_rule_is_defined_once():
+    # Halves round up, as the page's Math.round does (Python's round() would
+    # give 2 here).
+    assert metadata.suggested_accumulation_steps(20.0, 8.0) == 3
+    assert metadata.suggested_accumulation_steps(3.0, 8.0) == 1
+    assert metadata.suggested_accumulation_steps(None, 8.0) is None
+    assert metadata.suggested_accumulation_steps(-5.0, 8.0) is None
+    band = metadata.ADVICE_BAND
+    assert metadata.batch_advice(band * 10 + 1, 10) == "less"
+    assert metadata.batch_advice(band * 10, 10) == "good"
+    assert metadata.batch_advice(10 / band - 1, 10) == "more"
+    assert metadata.VOCABULARY["advice_band"] == band
+    assert metadata.VOCABULARY["leftover_policies"] == list(metadata.LEFTOVER_POLICIES)

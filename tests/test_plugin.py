@@ -67,7 +67,11 @@ def get_json(client, path):
 
 def test_runs(logdir):
     root, _ = logdir
-    runs = get_json(client_for(root), "/runs")["runs"]
+    body = get_json(client_for(root), "/runs")
+    # The vocabulary the page reads comes from Python's one definition.
+    assert body["vocabulary"] == metadata.VOCABULARY
+    assert body["vocabulary"]["leftover_policies"] == ["flush", "carry", "drop"]
+    runs = body["runs"]
     assert [r["run"] for r in runs] == ["dropping", "flushing", "nonfinite"]
     assert runs[1] == {"run": "flushing", "updates": 12, "variables": 4}
     assert runs[0]["updates"] == 9  # 3 updates per epoch, partial windows dropped
@@ -158,12 +162,26 @@ def test_bad_requests(logdir, path, code, message):
     assert message in response.get_data(as_text=True)
 
 
-@pytest.mark.parametrize("hint, expected", [(None, 12), (5, 5), (0, 12)])
-def test_samples_per_plugin_is_honoured(logdir, hint, expected):
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """1,500 updates of the applied norm: more than the default 1,000 kept."""
+    import tensorflow as tf
+
+    root = tmp_path_factory.mktemp("long")
+    meta = metadata.create_summary_metadata(metadata.Kind.APPLIED_GRADIENT_NORM)
+    with tf.summary.create_file_writer(str(root / "long")).as_default():
+        for step in range(1, 1501):
+            tf.summary.write(metadata.TAG_PREFIX + "applied_gradient_norm",
+                             tf.constant(1.0 + step % 7, tf.float32), step=step,
+                             metadata=meta.SerializeToString())
+    return root
+
+
+@pytest.mark.parametrize("hint, expected", [(None, 1000), (5, 5), (0, 1500)])
+def test_samples_per_plugin_is_honoured(long_run, hint, expected):
     """`--samples_per_plugin=accumulation=N` bounds what is read; 0 means all."""
-    root, _ = logdir
     hints = {} if hint is None else {metadata.PLUGIN_NAME: hint}
-    body = get_json(client_for(root, hints), "/series?run=flushing")
+    body = get_json(client_for(long_run, hints), "/series?run=long")
     assert body["sampled"] == expected
 
 

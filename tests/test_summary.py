@@ -173,9 +173,22 @@ def test_buffer_is_written_before_it_fills(tmp_path, monkeypatch):
 
 
 def test_writer_is_created_lazily(tmp_path):
-    log_dir = tmp_path / "never"
-    GradientAccumulationCallback(accumulation_steps=2, log_dir=log_dir)
+    """No directory and no writer until the first write (the first epoch's end)."""
+    from conftest import keras
+
+    x, y = make_data(n=32)
+    log_dir = tmp_path / "later"
+    callback = GradientAccumulationCallback(accumulation_steps=2, log_dir=log_dir)
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((log_dir.exists(), callback.summaries._writer is not None))
+
     assert not log_dir.exists()
+    make_model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback, Probe()])
+    assert seen == [(False, False)] * 4  # two updates buffered, nothing written yet
+    assert callback.summaries._writer is not None and any(log_dir.iterdir())
 
 
 def test_scalars_option_writes_a_plain_scalar(tmp_path):

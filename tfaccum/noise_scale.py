@@ -14,6 +14,7 @@ averages) before dividing.
 
 import tensorflow as tf
 
+from tb_plugin import metadata
 from tfaccum.observers import WindowObserver
 
 SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
@@ -127,8 +128,8 @@ class NoiseScaleEstimator(WindowObserver):
         return float(self._micro_batch.numpy()) or None
 
     def suggested_accumulation_steps(self):
-        """`accumulation_steps` whose effective batch is closest to B_simple."""
-        noise_scale, micro_batch = self.noise_scale, self.micro_batch_size
-        if noise_scale is None or not micro_batch or noise_scale <= 0:
-            return None
-        return max(1, round(noise_scale / micro_batch))
+        """`accumulation_steps` whose effective batch is closest to B_simple.
+
+        The dashboard's rule (`tb_plugin.metadata`), so both say the same.
+        """
+        return metadata.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)

@@ -4,11 +4,9 @@
 
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
-export const POLICY_STYLE = {
-  flush: {color: '#00897b', label: 'flush (applied)'},
-  carry: {color: '#f29900', label: 'carry (kept for next epoch)'},
-  drop: {color: '#d81b60', label: 'drop (discarded)'},
-};
+// Colours of the leftover policies (their names and labels come from the
+// plugin's vocabulary); an unknown policy is drawn as a black cross.
+const POLICY_COLOR = {flush: '#00897b', carry: '#f29900', drop: '#d81b60'};
 export const NONFINITE_COLOR = '#e53935';
 const EFFECTIVE_BATCH_DASH = '6 4';
 const HEAT_STOPS = ['#440154', '#414487', '#2a788e', '#22a884', '#7ad151', '#fde725'];
@@ -119,7 +117,7 @@ function linePath(steps, values, x, y) {
 
 /** A marker shape for a leftover policy, centred on (cx, cy). */
 export function policyMarker(policy, cx, cy, title = null) {
-  const color = (POLICY_STYLE[policy] || {color: '#000'}).color;
+  const color = POLICY_COLOR[policy] || '#000';
   const common = {class: `marker marker-${policy}`, stroke: '#fff', 'stroke-width': 1.5};
   if (policy === 'flush') return svg('circle', {...common, cx, cy, r: 5.5, fill: color}, title);
   if (policy === 'carry') {

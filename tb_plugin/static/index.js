@@ -10,6 +10,7 @@ const PALETTE = ['#1a73e8', '#e8710a', '#12b5cb', '#9334e6', '#7cb342', '#795548
 export async function render() {
   const state = {
     runs: [], // [{run, updates, variables}] from /runs
+    vocabulary: null, // leftover policies and advisor band, from /runs
     seen: new Set(), // runs listed before: a reload selects only new ones
     selected: new Set(),
     heatRun: null,
@@ -35,7 +36,7 @@ export async function render() {
     views.setStatus(ui, 'Loading runs…');
     let runs;
     try {
-      runs = await model.fetchRuns();
+      ({runs, vocabulary: state.vocabulary} = await model.fetchRuns());
     } catch (err) {
       if (generation === state.generation) {
         views.setStatus(ui, `Could not load the runs: ${err.message}`, true);
@@ -105,6 +106,7 @@ export async function render() {
       .map((d) => `${d.run}: ${d.steps.length} of ${d.sampled} points drawn (extremes kept)`);
     const section = views.normsSection(lineChart(lines, {showMicro: state.showMicro}), {
       showMicro: state.showMicro,
+      vocabulary: state.vocabulary,
       onToggleMicro: (on) => {
         state.showMicro = on;
         drawNorms();
@@ -127,7 +129,7 @@ export async function render() {
 
   function advisor() {
     const lines = state.data.map((d) => ({...d, color: colorOf(d.run)}));
-    const rows = lines.map((d) => ({run: d.run, color: d.color, advice: model.batchAdvice(d)}));
+    const rows = lines.map((d) => ({run: d.run, color: d.color, advice: model.batchAdvice(d, state.vocabulary)}));
     const nonFinite = state.data.some(
       (d) => d.noise.some((v) => v !== null && !Number.isFinite(v)));
     return views.advisorSection(batchSizeChart(lines), rows, {nonFinite});

@@ -13,10 +13,14 @@ async function getJson(url) {
 /** null stays null; numbers and "NaN" / "Infinity" / "-Infinity" become numbers. */
 export const toNumber = (v) => (v === null || v === undefined ? null : Number(v));
 
-/** [{run, updates, variables}], sorted by name. */
+/**
+ * {runs: [{run, updates, variables}] sorted by name, vocabulary}: the
+ * vocabulary (leftover policies, their labels, the advisor's band) is defined
+ * once, in Python (tb_plugin/metadata.py), and read from here.
+ */
 export async function fetchRuns() {
-  const {runs} = await getJson('./runs');
-  return runs;
+  const {runs, vocabulary} = await getJson('./runs');
+  return {runs, vocabulary};
 }
 
 const cache = new Map(); // run -> Promise of fetchRun's result
@@ -76,13 +80,14 @@ const usable = (v) => Number.isFinite(v) && v > 0;
  * at an epoch's or fit's end (unless every update did): its window is shorter
  * than the run's accumulation_steps says. The micro-batch size is that window's
  * samples / micro-batches, and the suggestion the accumulation_steps that makes
- * B ≈ B_simple: max(1, round(B_simple / micro-batch)).
+ * B ≈ B_simple: max(1, round(B_simple / micro-batch)). "less" above `band`
+ * times B_simple, "more" below B_simple / `band` (vocabulary.advice_band).
  *
  * Returns {advice: 'less' | 'more' | 'good' | 'unknown', suggestedSteps
  * (null when unknown), noiseScale, batch, microBatch, accumulation, step,
  * lastStep} (numbers or null).
  */
-export function batchAdvice({steps, noise, samples, microBatches, events}) {
+export function batchAdvice({steps, noise, samples, microBatches, events}, {advice_band: band}) {
   let noiseScale = null;
   for (let i = noise.length - 1; i >= 0; i -= 1) {
     if (usable(noise[i])) {
@@ -107,9 +112,10 @@ export function batchAdvice({steps, noise, samples, microBatches, events}) {
   Object.assign(result, {batch, microBatch: batch / microBatches[at],
     accumulation: microBatches[at], step: steps[at]});
   if (noiseScale === null) return result;
+  // Math.round rounds halves up, as metadata.suggested_accumulation_steps does.
   result.suggestedSteps = Math.max(1, Math.round(noiseScale / result.microBatch));
-  if (batch > 2 * noiseScale) result.advice = 'less';
-  else if (batch < noiseScale / 2) result.advice = 'more';
+  if (batch > band * noiseScale) result.advice = 'less';
+  else if (batch < noiseScale / band) result.advice = 'more';
   else result.advice = 'good';
   return result;
 }

@@ -1,7 +1,7 @@
 // DOM building only. Run and variable names are data: they go in with
 // textContent (via `el`), never as HTML.
 
-import {formatNumber, legendIcon, POLICY_STYLE} from './charts.js';
+import {formatNumber, legendIcon} from './charts.js';
 
 const STYLE = `
   body { margin: 0; background: #fff; }
@@ -128,13 +128,13 @@ export function card(title, ...children) {
   return el('section', {className: 'card'}, el('h2', {}, title), ...children);
 }
 
-export function normsSection(chart, {showMicro, onToggleMicro, notes}) {
+export function normsSection(chart, {showMicro, onToggleMicro, notes, vocabulary}) {
   const legend = el('div', {className: 'legend'},
     el('span', {}, legendIcon('applied'), 'applied gradient norm'),
     showMicro ? el('span', {}, legendIcon('mean'), 'micro-batch mean') : null,
     showMicro ? el('span', {}, legendIcon('max'), 'micro-batch max') : null,
-    ...['flush', 'carry', 'drop'].map((p) =>
-      el('span', {}, legendIcon(p), POLICY_STYLE[p].label)),
+    ...vocabulary.leftover_policies.map((p) =>
+      el('span', {}, legendIcon(p), vocabulary.leftover_labels[p] || p)),
     el('span', {}, legendIcon('nonfinite'), 'non-finite value (NaN / ±Infinity)'));
   const toggle = el('label', {},
     el('input', {type: 'checkbox', checked: showMicro, id: 'show-micro',
