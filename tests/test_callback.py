@@ -413,3 +413,40 @@ def test_embedding_gradients_equal_keras_large_batch(optimizer):
                   callbacks=[GradientAccumulationCallback(
                       accumulation_steps=4, sparse_gradients="dense")])
         assert max_weight_diff(reference, dense) > 1e-3
+
+
+def test_a_new_callback_of_the_same_configuration_reuses_the_traced_step():
+    x, y = make_data()
+    model = make_model(optimizer="adam")
+    functions = []
+    seen = keras.callbacks.Callback()
+    seen.on_train_begin = lambda logs=None: functions.append(model.train_function)
+    first = GradientAccumulationCallback(accumulation_steps=4, log_dir=None)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[first, seen])
+    second = GradientAccumulationCallback(accumulation_steps=2)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[second, seen])
+    assert functions[1] is functions[0]  # not traced again
+    assert second.hook is first.hook and second.estimator is first.estimator
+    assert (first.optimizer_steps, second.optimizer_steps) == (7, 7)  # each counts its own fit
+    # A different configuration gets its own step.
+    third = GradientAccumulationCallback(accumulation_steps=2, reduction="mean")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[third, seen])
+    assert functions[2] is not functions[0] and third.hook is not first.hook
+    # The plain train function comes back after each fit: a plain fit does
+    # not trace again either.
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[seen])
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[seen])
+    assert functions[3] is functions[4]
+    assert not any(f is functions[0] for f in functions[3:])
+
+
+def test_noise_scale_is_not_armed_where_it_cannot_estimate():
+    x, y = make_data()
+    model = make_model()
+    callback = GradientAccumulationCallback(accumulation_steps=1)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.estimator is None
+    assert not any(type(o).__name__ == "NoiseScaleEstimator" for o in callback.hook.observers)
+    armed = GradientAccumulationCallback(accumulation_steps={0: 1, 3: 2})
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[armed])
+    assert armed.estimator is not None

@@ -214,3 +214,48 @@ def test_scalars_option_writes_a_plain_scalar(tmp_path):
 def test_bad_summary_options(kwargs, error, message):
     with pytest.raises(error, match=message):
         GradientAccumulationCallback(accumulation_steps=2, **kwargs)
+
+
+KILLED_RUN = r'''
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from conftest import keras, make_data, make_model
+from tfaccum import GradientAccumulationCallback
+
+x, y = make_data(n=8 * 200)
+log = open({timeline!r}, "w")
+
+class SlowAndKilled(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.02)  # a slow model
+        log.write(f"{{time.monotonic()}} {{int(self.model.optimizer.iterations)}}\n")
+        log.flush()
+        if batch == 120:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+callback = GradientAccumulationCallback(accumulation_steps=1, log_dir={log_dir!r},
+                                        write_interval={interval})
+make_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[callback, SlowAndKilled()])
+'''
+
+
+def test_a_killed_run_keeps_what_is_older_than_the_write_interval(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    interval = 0.5
+    log_dir, timeline = tmp_path / "run", tmp_path / "timeline"
+    script = KILLED_RUN.format(tests=str(Path(__file__).parent), timeline=str(timeline),
+                               log_dir=str(log_dir), interval=interval)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
+    points = [line.split() for line in timeline.read_text().splitlines()]
+    killed_at = float(points[-1][0])
+    # Every update made more than the interval (plus a batch) before the kill.
+    old = [int(i) for t, i in points if float(t) < killed_at - interval - 0.1]
+    assert old and old[-1] > 20
+    written = steps(read_run(str(log_dir))[0], "applied_gradient_norm")
+    assert written[:old[-1]] == list(range(1, old[-1] + 1))
