@@ -1,10 +1,15 @@
 """Epoch time and peak memory: tfaccum vs Keras' own accumulation vs plain training.
 
 All variants train the same model on the same data in one run, alternating
-round by round so that machine noise hits them alike. Epoch times are the
-median over rounds, after one warm-up epoch per variant (tracing).
+round by round so that machine noise hits them alike. A ratio between two
+variants is taken within each round (the two epochs ran seconds apart) and
+reported as the median over rounds with its spread (min-max and the 10th-90th
+percentile of the per-round ratios). Two copies of Keras' accumulation
+("keras" and "keras-again") measure the noise itself: their ratio should be
+1, and its spread is what a difference must exceed to mean something. Figures
+whose 10-90% range contains 1 are marked "within noise".
 
-    python benchmarks/throughput.py [--micro-batch 8] [--steps 8] [--rounds 5]
+    python benchmarks/throughput.py [--model mlp|cnn] [--rounds 15]
 
 Variants:
   tfaccum      batch B, GradientAccumulationCallback(accumulation_steps=N)
@@ -12,6 +17,7 @@ Variants:
   tfaccum-no-noise  the same with noise_scale=False
   tfaccum+log_dir  the defaults, writing Accumulation summaries to a temporary dir
   keras        batch B, optimizer(gradient_accumulation_steps=N)
+  keras-again  the same again (the noise floor)
   micro        batch B, no accumulation (N times more optimizer updates)
   large        batch N*B, no accumulation (what accumulation emulates)
 
@@ -24,7 +30,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +43,18 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
-VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "micro", "large")
+VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "keras-again",
+            "micro", "large")
+# (variant, baseline) ratios the report states, with their spread.
+RATIOS = (
+    ("keras-again", "keras", "noise floor: Keras accumulation vs itself"),
+    ("tfaccum", "keras", "tfaccum vs Keras accumulation"),
+    ("tfaccum-no-noise", "keras", "tfaccum without noise scale vs Keras accumulation"),
+    ("tfaccum", "tfaccum-no-noise", "noise scale cost"),
+    ("tfaccum+log_dir", "tfaccum", "log_dir cost"),
+    ("tfaccum", "micro", "tfaccum vs plain micro-batch"),
+    ("large", "micro", "large batch vs plain micro-batch"),
+)
 
 
 def load_data(samples):
@@ -69,7 +85,8 @@ def build(variant, args):
         layers += [keras.layers.Dense(args.width, activation="relu") for _ in range(args.depth)]
     layers += [keras.layers.Dense(10, activation="softmax")]
     model = keras.Sequential(layers)
-    extra = {"gradient_accumulation_steps": args.steps} if variant == "keras" else {}
+    keras_accumulates = variant.startswith("keras")
+    extra = {"gradient_accumulation_steps": args.steps} if keras_accumulates else {}
     model.compile(optimizer=keras.optimizers.Adam(1e-3, **extra),
                   loss="sparse_categorical_crossentropy")
     batch_size = args.micro_batch * (args.steps if variant == "large" else 1)
@@ -95,17 +112,36 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def time_variants(args, x, y):
+    """Per-round epoch times: {variant: [seconds per round]}."""
     models = {variant: build(variant, args) for variant in VARIANTS}
     times = {variant: [] for variant in VARIANTS}
+    order = list(VARIANTS)
     for round_ in range(args.rounds + 1):  # round 0 warms up (tracing)
-        for variant in VARIANTS:
+        # Alternate the order too, so that no variant always follows another.
+        for variant in order if round_ % 2 else reversed(order):
             model, batch_size, callbacks = models[variant]
             timer = EpochTimer()
             model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
                       callbacks=callbacks + [timer])
             if round_:
                 times[variant].append(timer.seconds[0])
-    return {variant: statistics.median(t) for variant, t in times.items()}
+    return times
+
+
+def spread(values):
+    """(median, min, max, 10th percentile, 90th percentile) of `values`."""
+    values = np.asarray(values)
+    return (float(np.median(values)), float(values.min()), float(values.max()),
+            float(np.percentile(values, 10)), float(np.percentile(values, 90)))
+
+
+def ratio_rows(times):
+    """For each of RATIOS: its name and the spread of its per-round ratios."""
+    rows = []
+    for variant, baseline, name in RATIOS:
+        per_round = np.asarray(times[variant]) / np.asarray(times[baseline])
+        rows.append((name, variant, baseline, spread(per_round)))
+    return rows
 
 
 def peak_memory_mb(variant, args):
@@ -138,7 +174,7 @@ def main():
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -152,19 +188,28 @@ def main():
           f"{args.samples} samples, "
           f"{'CNN 32x32' if args.model == 'cnn' else f'MLP 64-{args.width}x{args.depth}-10'}, "
           f"micro-batch {args.micro_batch}, accumulation_steps {args.steps}, "
-          f"median of {args.rounds} epochs")
-    seconds = time_variants(args, x, y)
+          f"{args.rounds} alternating rounds")
+    times = time_variants(args, x, y)
     memory = {} if args.no_memory else {v: peak_memory_mb(v, args) for v in VARIANTS}
     print()
-    print("| variant | epoch s | vs keras accumulation | vs plain micro-batch | peak memory MB |")
-    print("|---|---:|---:|---:|---:|")
+    print("| variant | epoch s: median (min-max) | peak memory MB |")
+    print("|---|---:|---:|")
     for variant in VARIANTS:
+        median, low, high = spread(times[variant])[:3]
         mem = f"{memory[variant]:.0f}" if memory else "-"
-        print(f"| {variant} | {seconds[variant]:.3f} | "
-              f"{seconds[variant] / seconds['keras']:.2f} | "
-              f"{seconds[variant] / seconds['micro']:.2f} | {mem} |")
-    print(f"\nnoise scale cost: {seconds['tfaccum'] / seconds['tfaccum-no-noise']:.3f}x tfaccum without it")
-    print(f"log_dir cost: {seconds['tfaccum+log_dir'] / seconds['tfaccum']:.3f}x tfaccum without it")
+        print(f"| {variant} | {median:.3f} ({low:.3f}-{high:.3f}) | {mem} |")
+    rows = ratio_rows(times)
+    floor = rows[0][3]
+    print()
+    print(f"Per-round ratios over {args.rounds} rounds; noise floor (Keras accumulation "
+          f"against itself): 10-90% {floor[3]:.3f}-{floor[4]:.3f}.")
+    print()
+    print("| ratio | median | 10-90% | min-max | verdict |")
+    print("|---|---:|---:|---:|---|")
+    for name, _, _, (median, low, high, p10, p90) in rows:
+        verdict = "within noise" if p10 <= 1.0 <= p90 else (
+            "slower" if median > 1 else "faster")
+        print(f"| {name} | {median:.3f} | {p10:.3f}-{p90:.3f} | {low:.3f}-{high:.3f} | {verdict} |")
 
 
 if __name__ == "__main__":

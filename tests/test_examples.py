@@ -35,11 +35,21 @@ def test_exactness_benchmark_table():
 
 
 def test_throughput_benchmark_table():
-    out = run("benchmarks/throughput.py", "--rounds", "1", "--samples", "256",
+    out = run("benchmarks/throughput.py", "--rounds", "3", "--samples", "256",
               "--width", "32", "--no-memory")
-    variants = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert variants == ["tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "micro", "large"]
-    assert "log_dir cost:" in out and "noise scale cost:" in out
+    tables = [[line.split("|")[1:-1] for line in block.splitlines() if line.startswith("| ")]
+              for block in out.split("\n\n") if block.startswith("| ")]
+    epochs, ratios = tables
+    assert [row[0].strip() for row in epochs[1:]] == [
+        "tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "keras-again", "micro", "large"]
+    names = [row[0].strip() for row in ratios[1:]]
+    assert names[0].startswith("noise floor") and "noise scale cost" in names
+    for name, median, p10_p90, low_high, verdict in ratios[1:]:
+        p10, p90 = map(float, p10_p90.split("-"))
+        low, high = map(float, low_high.split("-"))
+        assert low <= p10 <= float(median) <= p90 <= high, name
+        # "within noise" exactly when the 10-90% range holds 1.
+        assert (verdict.strip() == "within noise") == (p10 <= 1.0 <= p90), name
 
 
 def test_quickstart_writes_the_demo_dashboard(tmp_path):
