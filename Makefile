@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 6006
 PYTEST_ARGS ?=
 
-.PHONY: test demo benchmark proto clean
+.PHONY: test test-oldest demo benchmark proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,24 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest -m "not keras3" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
+	$(MAKE) test-oldest
+
+# A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.
+OLDEST := tensorflow==2.16.2 keras==3.7.0 tf_keras==2.16.0 tensorboard==2.16.2 protobuf==4.25.3
+OLDEST_VENV := .venv-oldest
+OLDEST_TESTS := tests/test_hook.py tests/test_window.py tests/test_features_meet.py \
+	tests/test_transparency.py tests/test_pairwise.py
+
+$(OLDEST_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet $(OLDEST) 'pytest>=8' -e . --config-settings editable_mode=compat
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS) $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(OLDEST_VENV)/bin/python -m pytest -m "not keras3" \
+		tests/test_hook.py tests/test_features_meet.py tests/test_transparency.py $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-examples
 	rm -rf runs/demo
@@ -42,4 +60,4 @@ proto:
 	.venv-proto/bin/python -m grpc_tools.protoc -Itb_plugin --python_out=tb_plugin tb_plugin/accumulation.proto
 
 clean:
-	rm -rf $(VENV) .venv-proto runs .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .venv-proto runs .pytest_cache

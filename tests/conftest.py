@@ -80,6 +80,17 @@ OPTIMIZERS = {
 }
 
 
+def iterations(model):
+    """`model.optimizer.iterations` as an int, as its schedules see it.
+
+    (Keras 3 before 3.9 leaves a LossScaleOptimizer's own counter at 0 and
+    counts in its inner optimizer.)
+    """
+    optimizer = model.optimizer
+    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return int(optimizer.iterations.numpy())
+
+
 def max_weight_diff(a, b):
     return max(
         float(np.max(np.abs(np.asarray(u) - np.asarray(v))))

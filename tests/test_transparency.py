@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import make_data
+from conftest import iterations
 from conftest import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
@@ -37,7 +38,7 @@ def fit_both(build, x, y=None, epochs=2, **fit):
 def assert_same(plain, ours):
     if plain.get_weights():
         assert max_weight_diff(plain, ours) < TOL
-    assert int(ours.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert iterations(ours) == iterations(plain)
 
 
 def mlp(seed=1, optimizer=lambda: keras.optimizers.Adam(0.01), **compile_kwargs):

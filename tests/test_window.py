@@ -112,3 +112,18 @@ def test_hook_holds_one_window():
     assert isinstance(hook.window, AccumulationWindow)
     assert hook.counts is hook.window.counts
     hook.remove()
+
+
+def test_nbytes_is_what_the_accumulators_hold():
+    window = AccumulationWindow(tf.distribute.get_strategy())
+    table = tf.Variable(tf.zeros((1000, 4)))
+    dense_variable = tf.Variable(tf.zeros((3, 5)))
+    rows = tf.IndexedSlices(tf.ones((6, 4)), tf.range(6), tf.constant([1000, 4]))
+    window.track([rows, tf.ones((3, 5))], [table, dense_variable])
+    assert window.nbytes() == 15 * 4  # no rows yet
+    window.add([rows, tf.ones((3, 5))], [table, dense_variable])
+    window.add([rows, tf.ones((3, 5))], [table, dense_variable])
+    assert window.nbytes() == 15 * 4 + 12 * (4 * 4 + 8)  # 12 rows of 4 floats and an int64
+    dense = AccumulationWindow(tf.distribute.get_strategy(), sparse_rows=False)
+    dense.track([rows], [table])
+    assert dense.nbytes() == 1000 * 4 * 4

@@ -8,8 +8,10 @@ only be a `tf_keras` model once its user has imported it.
 
 Every private Keras or TensorFlow attribute tfaccum uses is read or written
 here, and nowhere else; each says which versions it was checked on. "Checked"
-means read in the sources and exercised by the test suite: Keras 3.8 to
-3.15.1 and tf_keras 2.16 to 2.21 with TensorFlow 2.16 to 2.21.
+means read in the sources and exercised by the test suite, which CI runs on
+the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21) and, as a
+smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.5.0,
+tf_keras 2.16.0).
 """
 
 import inspect
@@ -224,7 +226,7 @@ def api_for_model_argument(value, argument):
 def compile_config(model):
     """What `model.compile()` was last given, to notice a recompile.
 
-    Private: `Model._compile_config` (Keras 3.0-3.15, tf_keras 2.16-2.21);
+    Private: `Model._compile_config` (Keras 3.5-3.15, tf_keras 2.16-2.21);
     `None` where absent.
     """
     return getattr(model, "_compile_config", None)
@@ -233,7 +235,7 @@ def compile_config(model):
 def optimizer_variables(optimizer):
     """The variables a built optimizer tracks, for `apply(grads)` without them.
 
-    Private: `Optimizer._trainable_variables` (Keras 3.0-3.15).
+    Private: `Optimizer._trainable_variables` (Keras 3.5-3.15).
     """
     return optimizer._trainable_variables
 
@@ -258,7 +260,7 @@ def fit_is_running(model):
 def flatten_layers(model):
     """Every layer nested in `model`, at any depth (not `model` itself).
 
-    Private: `Layer._flatten_layers` (Keras 3.0-3.15, tf_keras 2.16-2.21).
+    Private: `Layer._flatten_layers` (Keras 3.5-3.15, tf_keras 2.16-2.21).
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
 
@@ -266,7 +268,7 @@ def flatten_layers(model):
 def batch_norm_moments(layer, inputs, mask):
     """Per-batch mean and variance, as `BatchNormalization` computes them.
 
-    Private: `BatchNormalization._moments(inputs, mask)` (Keras 3.0-3.15).
+    Private: `BatchNormalization._moments(inputs, mask)` (Keras 3.5-3.15).
     """
     return layer._moments(inputs, mask)
 
@@ -274,7 +276,7 @@ def batch_norm_moments(layer, inputs, mask):
 def batch_norm_reduction_axes(layer):
     """The axes `BatchNormalization` reduces over (set when it is built).
 
-    Private: `BatchNormalization._reduction_axes` (Keras 3.0-3.15).
+    Private: `BatchNormalization._reduction_axes` (Keras 3.5-3.15).
     """
     return layer._reduction_axes
 
@@ -282,8 +284,8 @@ def batch_norm_reduction_axes(layer):
 def batch_norm_renorm(layer):
     """Whether the layer uses batch renormalization.
 
-    `renorm` exists on Keras 3.10+ (and on tf_keras); earlier Keras 3
-    releases have no renormalization: `False` there.
+    `renorm` exists on Keras 3.14+ (and on tf_keras); earlier Keras 3
+    releases (3.5-3.13) have no renormalization: `False` there.
     """
     return bool(getattr(layer, "renorm", False))
 
@@ -323,6 +325,17 @@ def _compiled_with_optimizer(model, flag):
 def api_for(model):
     """`Keras3` or `TfKeras`: what `model` was built with."""
     return TfKeras if is_tf_keras_model(model) else Keras3
+
+
+def iterations(optimizer):
+    """The variable counting `optimizer`'s updates, as learning-rate schedules read it.
+
+    Keras 3 before 3.9 gives `LossScaleOptimizer` an `iterations` of its own
+    that never moves (its inner optimizer counts); from 3.9 on it is the
+    inner optimizer's. The inner one is right on every version.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return (inner if inner is not None else optimizer).iterations
 
 
 def scales_loss_dynamically(optimizer):

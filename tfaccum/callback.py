@@ -561,7 +561,7 @@ class GradientAccumulationCallback(_keras.Callback):
     def _log_leftover(self, policy, window):
         if self.summaries is not None and window.micro_batches:
             self.summaries.write_leftover(
-                int(self.model.optimizer.iterations),
+                int(_keras.iterations(self.model.optimizer).numpy()),
                 policy,
                 window,
                 micro_steps=self.hook.micro_steps,

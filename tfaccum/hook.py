@@ -482,6 +482,10 @@ class AccumulationHook:
             )
         return logs
 
+    # The hook's graph code needs no AutoGraph (tf_keras converts the train
+    # step, and with it whatever the step calls; TensorFlow 2.16's converter
+    # mangles some of this code). The user's own step stays converted.
+    @tf.autograph.experimental.do_not_convert
     def _accumulating_apply(self, *args, **kwargs):
         step = self._local.step
         grads, variables = self._api.apply_arguments(*args, **kwargs)
@@ -499,6 +503,7 @@ class AccumulationHook:
             return
         self._micro_step(grads, variables, step)
 
+    @tf.autograph.experimental.do_not_convert
     def _sample_weighting_scale_loss(self, loss):
         # Weighting the loss by the sample count weights every gradient at
         # once: cheaper than scaling each accumulated gradient.
@@ -689,7 +694,7 @@ class AccumulationHook:
             gradient_scale=gradient_scale,
             window=window,
             counts=counts,
-            iterations=self._optimizer.iterations,
+            iterations=_keras.iterations(self._optimizer),
             mean_divisor=window["window_samples"] if self.reduction == "sum" else None,
             name_prefix=self.model.name + "/",
         )

@@ -60,9 +60,18 @@ class Counts:
         unknown = set(counts) - set(self._index)
         if unknown:
             raise KeyError(f"Unknown counts: {sorted(unknown)}")
-        vector = tf.stack(
-            [tf.cast(counts.get(name, 0), tf.int64) for name in self.names]
-        )
+        # Python ints make one constant; each tensor adds itself times a
+        # one-hot constant: few ops on the per-micro-step path.
+        static = [0] * len(self.names)
+        vector = None
+        for name, value in counts.items():
+            if isinstance(value, int):
+                static[self._index[name]] += value
+                continue
+            one_hot = tf.one_hot(self._index[name], len(self.names), dtype=tf.int64)
+            term = tf.cast(value, tf.int64) * one_hot
+            vector = term if vector is None else vector + term
+        vector = tf.constant(static, tf.int64) if vector is None else vector + static
         if self._replicas == 1 or not counts:
             return vector
         context = tf.distribute.get_replica_context()
@@ -129,6 +138,14 @@ class _DenseAccumulator:
     def reset(self):
         self.variable.assign(tf.zeros_like(self.variable))
 
+    def nbytes(self):
+        return _nbytes(self.variable)
+
+
+def _nbytes(variable):
+    """Bytes `variable` holds now (a host read for a variable of varying shape)."""
+    return int(tf.size(variable)) * variable.dtype.size
+
 
 class _RowAccumulator:
     """Keeps a sparse gradient's rows: the window's `IndexedSlices`, concatenated.
@@ -181,6 +198,9 @@ class _RowAccumulator:
     def reset(self):
         self.indices.assign(tf.zeros((0,), tf.int64))
         self.values.assign(tf.zeros_like(self.values[:0]))
+
+    def nbytes(self):
+        return _nbytes(self.indices) + _nbytes(self.values)
 
 
 class AccumulationWindow:
@@ -282,6 +302,11 @@ class AccumulationWindow:
         """Empties the accumulators (the counts are the caller's to adjust)."""
         for accumulator in self._accumulators.values():
             accumulator.reset()
+
+    def nbytes(self):
+        """Bytes the accumulators hold now (on this machine, for one replica)."""
+        with tf.init_scope():
+            return sum(a.nbytes() for a in self._accumulators.values())
 
     def zero(self):
         """Empties the accumulators and zeroes every count."""
