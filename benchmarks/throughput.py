@@ -2,12 +2,14 @@
 
 All variants train the same model on the same data in one run, alternating
 round by round so that machine noise hits them alike. A ratio between two
-variants is taken within each round (the two epochs ran seconds apart) and
-reported as the median over rounds with its spread (min-max and the 10th-90th
-percentile of the per-round ratios). Two copies of Keras' accumulation
-("keras" and "keras-again") measure the noise itself: their ratio should be
-1, and its spread is what a difference must exceed to mean something. Figures
-whose 10-90% range contains 1 are marked "within noise".
+variants is taken within each round (the two epochs ran close together, in
+a new random order every round) and reported as the median over rounds, with
+a 95% bootstrap interval of that median and the range of the rounds. Two
+copies of Keras' accumulation ("keras" and "keras-again") measure the noise
+itself: their ratio should be 1. A ratio whose interval holds 1 is marked
+"within noise". Times are the process's CPU time with one TensorFlow thread
+by default: the work per step, which a virtual machine's steal time does
+not inflate (`--clock wall --threads 0` for elapsed time as users see it).
 
     python benchmarks/throughput.py [--model mlp|cnn] [--rounds 15]
 
@@ -43,6 +45,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "keras-again",
             "micro", "large")
 # (variant, baseline) ratios the report states, with their spread.
@@ -100,27 +103,30 @@ def build(variant, args):
 
 
 class EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
+    """Seconds per epoch, by `clock` (wall time, or the process's CPU time)."""
+
+    def __init__(self, clock):
         super().__init__()
+        self.clock = clock
         self.seconds = []
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+        self.seconds.append(self.clock() - self._start)
 
 
 def time_variants(args, x, y):
     """Per-round epoch times: {variant: [seconds per round]}."""
     models = {variant: build(variant, args) for variant in VARIANTS}
     times = {variant: [] for variant in VARIANTS}
-    order = list(VARIANTS)
+    rng = np.random.default_rng(1)
     for round_ in range(args.rounds + 1):  # round 0 warms up (tracing)
-        # Alternate the order too, so that no variant always follows another.
-        for variant in order if round_ % 2 else reversed(order):
+        # A new order every round, so that no variant always follows another.
+        for variant in rng.permutation(VARIANTS):
             model, batch_size, callbacks = models[variant]
-            timer = EpochTimer()
+            timer = EpochTimer(CLOCKS[args.clock])
             model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
                       callbacks=callbacks + [timer])
             if round_:
@@ -129,18 +135,26 @@ def time_variants(args, x, y):
 
 
 def spread(values):
-    """(median, min, max, 10th percentile, 90th percentile) of `values`."""
+    """(median, min, max) of `values`."""
     values = np.asarray(values)
-    return (float(np.median(values)), float(values.min()), float(values.max()),
-            float(np.percentile(values, 10)), float(np.percentile(values, 90)))
+    return float(np.median(values)), float(values.min()), float(values.max())
+
+
+def median_interval(values, confidence=0.95, resamples=4000):
+    """A bootstrap confidence interval of the median of `values` (rounds resampled)."""
+    values = np.asarray(values)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(values, (resamples, len(values))), axis=1)
+    tail = (1 - confidence) / 2 * 100
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
 def ratio_rows(times):
-    """For each of RATIOS: its name and the spread of its per-round ratios."""
+    """For each of RATIOS: its name, the per-round ratios' spread and the median's interval."""
     rows = []
     for variant, baseline, name in RATIOS:
         per_round = np.asarray(times[variant]) / np.asarray(times[baseline])
-        rows.append((name, variant, baseline, spread(per_round)))
+        rows.append((name, spread(per_round), median_interval(per_round)))
     return rows
 
 
@@ -171,13 +185,24 @@ def main():
                         "per-step overhead); cnn: small conv net on 32x32 images")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                        help="cpu (default): the process's CPU time, which a virtual "
+                        "machine's steal time and other processes do not inflate; "
+                        "wall: elapsed time")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="TensorFlow intra- and inter-op threads (default 1: the "
+                        "work per step, without thread pools spinning; 0: TensorFlow's "
+                        "default)")
     parser.add_argument("--memory-of", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     x, y = load_data(args.samples)
     if args.memory_of:
         measure_memory_of(args.memory_of, args, x, y)
@@ -188,28 +213,30 @@ def main():
           f"{args.samples} samples, "
           f"{'CNN 32x32' if args.model == 'cnn' else f'MLP 64-{args.width}x{args.depth}-10'}, "
           f"micro-batch {args.micro_batch}, accumulation_steps {args.steps}, "
-          f"{args.rounds} alternating rounds")
+          f"{args.rounds} alternating rounds; {args.clock} time, "
+          f"{args.threads or 'default'} TensorFlow thread(s)")
     times = time_variants(args, x, y)
     memory = {} if args.no_memory else {v: peak_memory_mb(v, args) for v in VARIANTS}
     print()
     print("| variant | epoch s: median (min-max) | peak memory MB |")
     print("|---|---:|---:|")
     for variant in VARIANTS:
-        median, low, high = spread(times[variant])[:3]
+        median, low, high = spread(times[variant])
         mem = f"{memory[variant]:.0f}" if memory else "-"
         print(f"| {variant} | {median:.3f} ({low:.3f}-{high:.3f}) | {mem} |")
     rows = ratio_rows(times)
-    floor = rows[0][3]
     print()
-    print(f"Per-round ratios over {args.rounds} rounds; noise floor (Keras accumulation "
-          f"against itself): 10-90% {floor[3]:.3f}-{floor[4]:.3f}.")
+    print(f"Ratios of the two epochs of each round, over {args.rounds} rounds: their "
+          "median, a 95% bootstrap interval of that median, and the range of the rounds. "
+          "\"within noise\": the interval holds 1.")
     print()
-    print("| ratio | median | 10-90% | min-max | verdict |")
+    print("| ratio | median | 95% interval | min-max of rounds | verdict |")
     print("|---|---:|---:|---:|---|")
-    for name, _, _, (median, low, high, p10, p90) in rows:
-        verdict = "within noise" if p10 <= 1.0 <= p90 else (
+    for name, (median, low, high), (lower, upper) in rows:
+        verdict = "within noise" if lower <= 1.0 <= upper else (
             "slower" if median > 1 else "faster")
-        print(f"| {name} | {median:.3f} | {p10:.3f}-{p90:.3f} | {low:.3f}-{high:.3f} | {verdict} |")
+        print(f"| {name} | {median:.3f} | {lower:.3f}-{upper:.3f} | {low:.3f}-{high:.3f} "
+              f"| {verdict} |")
 
 
 if __name__ == "__main__":

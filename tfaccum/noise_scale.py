@@ -96,18 +96,18 @@ class NoiseScaleEstimator(WindowObserver):
         count = tf.cast(micro_batches, tf.float32)
         small = big / tf.maximum(count, 1.0)
         small_square = self._micro_squares / tf.maximum(big, 1.0)
-
-        def add():
-            gradient_square = (big * window_square - small * small_square) / (big - small)
-            trace = (small_square - window_square) / (1.0 / small - 1.0 / big)
-            first = tf.equal(self._windows, 0)
-            for ema, value in ((self._gradient_square, gradient_square), (self._trace, trace)):
-                ema.assign(tf.where(first, value, SMOOTHING * ema + (1.0 - SMOOTHING) * value))
-            self._micro_batch.assign(small)
-            self._windows.assign_add(1)
-            return tf.constant(True)
-
-        tf.cond(count > 1.0, add, lambda: tf.constant(False))
+        # Branch-free (no nested function call in the update): a window of
+        # one micro-batch (B_small = B_big) leaves every average as it was.
+        defined = count > 1.0
+        safe_gap = tf.where(defined, big - small, 1.0)
+        gradient_square = (big * window_square - small * small_square) / safe_gap
+        trace = (small_square - window_square) * small * big / safe_gap
+        first = tf.equal(self._windows, 0)
+        for ema, value in ((self._gradient_square, gradient_square), (self._trace, trace)):
+            moved = tf.where(first, value, SMOOTHING * ema + (1.0 - SMOOTHING) * value)
+            ema.assign(tf.where(defined, moved, ema))
+        self._micro_batch.assign(tf.where(defined, small, self._micro_batch))
+        self._windows.assign_add(tf.cast(defined, tf.int64))
         self.on_reset()
 
     def current(self):

@@ -127,9 +127,17 @@ class Update:
         return self.window["window_micro_batches"] - self.window["window_nonfinite"]
 
     @functools.cached_property
+    def variable_squared_norms(self):
+        """Each applied gradient's squared L2 norm as applied (`None` where none).
+
+        Loss scaling is not undone here; `squared_norm` undoes it.
+        """
+        return [None if g is None else squared_norm([g]) for g in self.grads]
+
+    @functools.cached_property
     def squared_norm(self):
         """Squared L2 norm of the applied gradient, loss scaling undone."""
-        square = squared_norm(self.grads)
+        square = tf.add_n([sq for sq in self.variable_squared_norms if sq is not None])
         if self.gradient_scale is not None:
             square = square / tf.square(self.gradient_scale)
         return square

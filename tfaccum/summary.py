@@ -16,9 +16,8 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
-from tfaccum.norms import squared_norm
-from tfaccum.observers import WindowObserver
 from tfaccum.norms import unscaled
+from tfaccum.observers import WindowObserver
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
@@ -62,8 +61,11 @@ class AccumulationSummaries(WindowObserver):
         self._unwritten_micro_steps = 0
         self.lost_rows = 0  # updates whose rows found the buffer full
         with tf.init_scope():
+            # One row more than `capacity`: where an update that finds the
+            # buffer full goes (never written out), so that storing a row
+            # needs no branch.
             self._rows = tf.Variable(
-                tf.zeros((capacity, len(_COLUMNS)), tf.float64),
+                tf.zeros((capacity + 1, len(_COLUMNS)), tf.float64),
                 trainable=False,
                 name="summary_rows",
             )
@@ -106,13 +108,12 @@ class AccumulationSummaries(WindowObserver):
             ]
             with tf.init_scope():
                 self._norms = tf.Variable(
-                    tf.zeros((self.capacity, len(present)), tf.float32),
+                    tf.zeros((self.capacity + 1, len(present)), tf.float32),
                     trainable=False,
                     name="summary_accumulator_norms",
                 )
-        norms = tf.stack(
-            [unscaled(tf.sqrt(squared_norm([g])), update.gradient_scale) for g, _ in present]
-        )
+        squares = [sq for sq in update.variable_squared_norms if sq is not None]
+        norms = unscaled(tf.sqrt(tf.stack(squares)), update.gradient_scale)
         window, counts = update.window, update.counts
         micro_steps = counts["micro_steps"]
         updates = counts["optimizer_steps"] + 1
@@ -132,20 +133,14 @@ class AccumulationSummaries(WindowObserver):
                 tf.cast(noise_scale, tf.float64),
             ]
         )
-        index = self._row_count.read_value()
-
-        def store():
-            self._rows.scatter_nd_update([[index]], [row])
-            self._norms.scatter_nd_update([[index]], [norms])
-            self._row_count.assign(index + 1)
-            return tf.constant(True)
-
-        def lose():
-            # Never overwrite a row: count what was lost, the host warns.
-            self._overflow.assign_add(1)
-            return tf.constant(False)
-
-        tf.cond(index < self.capacity, store, lose)
+        # A full buffer sends the row to the spare row: never overwrite a
+        # stored one; count what was lost, the host warns.
+        count = self._row_count.read_value()
+        index = tf.minimum(count, self.capacity)
+        self._rows.scatter_nd_update([[index]], [row])
+        self._norms.scatter_nd_update([[index]], [norms])
+        self._row_count.assign(tf.minimum(count + 1, self.capacity))
+        self._overflow.assign_add(tf.cast(count >= self.capacity, tf.int64))
 
     def on_reset(self):
         self._micro_norm_sum.assign(0.0)
