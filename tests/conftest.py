@@ -99,6 +99,14 @@ def max_weight_diff(a, b):
 
 
 @pytest.fixture
+def mixed_precision():
+    """The mixed_float16 policy for one test."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
 def data():
     return make_data()
 

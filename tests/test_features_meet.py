@@ -16,25 +16,13 @@ from tfaccum import AccumulationHook
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 from tfaccum.noise_scale import NoiseScaleEstimator
-
-
-def regression(n=1024, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 5)).astype("float32")
-    y = (x @ rng.normal(size=(5, 1)) + rng.normal(size=(n, 1))).astype("float32")
-    return x, y
-
-
-def frozen_linear_model():
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # weights stay fixed
-    return model
+from test_noise_scale import frozen_linear_model
+from test_noise_scale import regression
 
 
 def test_noise_scale_does_not_depend_on_the_reduction():
     """`reduction="sum"` once fed the estimator an unnormalised window (negative B_simple)."""
-    x, y = regression()
+    x, y = regression(n=1024)
     scales = {}
     for reduction in ("samples", "mean", "sum"):
         model = frozen_linear_model()

@@ -78,13 +78,6 @@ def test_a_window_of_only_non_finite_micro_batches_makes_no_update():
     assert max_weight_diff(make_model(optimizer="sgd"), model) == 0
 
 
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_precision_matches_the_large_batch(mixed_precision):
     x, y = make_data()
     reference = make_model(optimizer=scaled_adam)

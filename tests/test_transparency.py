@@ -171,14 +171,7 @@ def test_custom_summaries(tmp_path):
     assert custom_steps(tmp_path / "ours") == custom_steps(tmp_path / "plain") != []
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
-def test_loss_scale_optimizer(mixed_float16):
+def test_loss_scale_optimizer(mixed_precision):
     """Keras' default initial scale overflows this model's first steps: both skip them."""
     x, y = make_data()
     plain, ours, callback = fit_both(mlp, x, y, batch_size=8)

@@ -78,17 +78,12 @@ class MicroStep:
 
         Computed once per traced step, however many observers ask.
         """
-        square = squared_norm(self.grads)
-        if self.gradient_scale is not None:
-            square = square / tf.square(self.gradient_scale)
-        return square
+        return _divided(squared_norm(self.grads), self.gradient_scale)
 
     @functools.cached_property
     def mean_squared_norm(self):
         """`squared_norm` of the gradient of the mean loss over its samples."""
-        if self.mean_divisor is None:
-            return self.squared_norm
-        return self.squared_norm / tf.square(tf.cast(self.mean_divisor, tf.float32))
+        return _divided(self.squared_norm, self.mean_divisor)
 
 
 @dataclasses.dataclass
@@ -137,14 +132,17 @@ class Update:
     @functools.cached_property
     def squared_norm(self):
         """Squared L2 norm of the applied gradient, loss scaling undone."""
-        square = tf.add_n([sq for sq in self.variable_squared_norms if sq is not None])
-        if self.gradient_scale is not None:
-            square = square / tf.square(self.gradient_scale)
-        return square
+        squares = [sq for sq in self.variable_squared_norms if sq is not None]
+        return _divided(tf.add_n(squares), self.gradient_scale)
 
     @functools.cached_property
     def mean_squared_norm(self):
         """`squared_norm` of the gradient of the mean loss over the window."""
-        if self.mean_divisor is None:
-            return self.squared_norm
-        return self.squared_norm / tf.square(tf.cast(self.mean_divisor, tf.float32))
+        return _divided(self.squared_norm, self.mean_divisor)
+
+
+def _divided(square, scale):
+    """A squared norm of gradients multiplied by `scale`, undone (`None`: as is)."""
+    if scale is None:
+        return square
+    return square / tf.square(tf.cast(scale, tf.float32))
