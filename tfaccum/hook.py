@@ -17,6 +17,7 @@ from tfaccum.layers import window_observers
 from tfaccum.observers import MicroStep
 from tfaccum.observers import Update
 from tfaccum.patching import InstancePatch
+from tfaccum.patching import ModelInstallation
 from tfaccum.patching import SharedPatches
 from tfaccum.schedule import check_steps
 from tfaccum.window import WINDOW_COUNTS
@@ -209,7 +210,6 @@ class AccumulationHook:
             )
         self._optimizer = optimizer
         self._local = threading.local()  # the `_Step` being traced, per thread
-        self._train_function = None
         self._flush_function = None
         self._drop_function = None
         self._warned_dense = False
@@ -256,15 +256,13 @@ class AccumulationHook:
         )
         # On while the hook is installed.
         self._train_step_patch = InstancePatch(model, "train_step", self._train_step)
-        self._installed_patches = [
-            self._train_step_patch,
-            InstancePatch(model, _HOOK_ATTRIBUTE, self),
-        ]
+        self._installation = ModelInstallation(
+            model, [self._train_step_patch, InstancePatch(model, _HOOK_ATTRIBUTE, self)]
+        )
         # Whether a `fit` that owns the hook is in its training loop: `None`
         # for a hook installed by hand (any running `fit` counts).
         self._loop_running = None
         self.set_accumulation_steps(accumulation_steps)
-        self.installed = False
         self._install()
 
     # -- installation ---------------------------------------------------
@@ -274,37 +272,17 @@ class AccumulationHook:
         """The hook installed on `model`, or `None`."""
         return model.__dict__.get(_HOOK_ATTRIBUTE)
 
-    def _compiled_state(self):
-        """What the compiled train function depends on, besides this hook."""
-        model = self.model
-        with tf.init_scope():  # also while a step traces (a host read)
-            return self._compiled_state_now(model)
-
-    def _compiled_state_now(self, model):
-        return (
-            model.optimizer,
-            _keras.compile_config(model),
-            self._api.steps_per_execution(model),
-            model.jit_compile,
-            model.run_eagerly,
-            tuple(id(v) for v in model.trainable_variables),
-        )
+    @property
+    def installed(self):
+        """Whether the hook is installed on its model now."""
+        return self._installation.installed
 
     def _install(self):
-        model = self.model
-        self._plain_train_function = model.train_function
-        self._plain_compiled_state = self._compiled_state()
-        for patch in self._installed_patches:
-            patch.apply()
+        # Observers first: a layer's window must be in place before the
+        # train step traces.
         for observer in self.observers:
             observer.on_install(self)
-        if self._train_function is None:
-            model.make_train_function(force=True)
-            self._train_function = model.train_function
-            self._compiled_for = self._compiled_state()
-        else:
-            model.train_function = self._train_function
-        self.installed = True
+        self._installation.install()
 
     def can_reinstall(self):
         """Whether `reinstall()` can reuse this hook's compiled step.
@@ -312,10 +290,9 @@ class AccumulationHook:
         True unless the hook is installed, the model was compiled again, or
         its trainable variables or execution settings changed since.
         """
-        if self.installed or AccumulationHook.installed_on(self.model):
+        if AccumulationHook.installed_on(self.model):
             return False
-        current = self._compiled_state()
-        return all(a is b or a == b for a, b in zip(current, self._compiled_for))
+        return self._installation.can_reinstall()
 
     def reinstall(self):
         """Installs this hook again with zeroed counters, reusing its traced step.
@@ -370,27 +347,15 @@ class AccumulationHook:
         The model is restored even if an observer raises (e.g. summaries
         that cannot be written); the error then propagates.
         """
-        model = self.model
         try:
             for observer in self.observers:
                 observer.on_uninstall(self)
         finally:
-            for patch in reversed(self._installed_patches):
-                patch.restore()
-            # The plain train function, if the model still compiles to it.
-            if self._compiled_state() == self._plain_compiled_state:
-                model.train_function = self._plain_train_function
-            else:
-                model.train_function = None
-            self._plain_train_function = None
-            self.installed = False
+            self._installation.uninstall()
 
     def _add_patch(self, patch):
         """Holds an `InstancePatch` while the hook is installed (restored on removal)."""
-        self._installed_patches.append(patch)
-        if self.installed:
-            patch.apply()
-        return patch
+        return self._installation.add(patch)
 
     def __enter__(self):
         return self

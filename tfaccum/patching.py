@@ -1,13 +1,19 @@
-"""Setting attributes on one model or optimizer instance, and putting back what was there.
+"""Installing a hook on a model: instance attributes set, and put back as they were.
 
 The hook changes no class: it sets instance attributes (the model's
 `train_step`, the optimizer's `apply` while a step traces, ...) and, when it
 is done, restores exactly what the instance held before: a user's own
 instance attribute comes back, an absent one is deleted again.
+`ModelInstallation` holds what one hook set on its model, and the two train
+functions (the accumulating one, traced once, and the plain one it puts back).
 """
 
 import contextlib
 import threading
+
+import tensorflow as tf
+
+from tfaccum import _keras
 
 _ABSENT = object()
 
@@ -86,3 +92,79 @@ class SharedPatches:
                 if not self._depth:
                     for patch in reversed(self.patches):
                         patch.restore()
+
+
+class ModelInstallation:
+    """What a hook sets on its model while installed, and how it is undone.
+
+    `install()` applies the patches and makes the accumulating train
+    function the model's (traced at the first install, reused while the
+    model compiles to the same thing); `uninstall()` restores the patches and
+    the plain train function the model had, if it still compiles to it.
+
+    Args:
+        model: The compiled Keras model.
+        patches: `InstancePatch`es held while installed (more can be added).
+    """
+
+    def __init__(self, model, patches):
+        self.model = model
+        self.patches = list(patches)
+        self.installed = False
+        self._api = _keras.api_for(model)
+        self._train_function = None  # the accumulating one, once traced
+        self._compiled_for = None
+        self._plain_function = None
+        self._plain_state = None
+
+    def compiled_state(self):
+        """What a compiled train function depends on, besides the hook."""
+        model = self.model
+        with tf.init_scope():  # also while a step traces (a host read)
+            return (
+                model.optimizer,
+                _keras.compile_config(model),
+                self._api.steps_per_execution(model),
+                model.jit_compile,
+                model.run_eagerly,
+                tuple(id(v) for v in model.trainable_variables),
+            )
+
+    def add(self, patch):
+        """Holds one more patch while installed (applied now if installed)."""
+        self.patches.append(patch)
+        if self.installed:
+            patch.apply()
+        return patch
+
+    def install(self):
+        model = self.model
+        self._plain_function = model.train_function
+        self._plain_state = self.compiled_state()
+        for patch in self.patches:
+            patch.apply()
+        if self._train_function is None:
+            model.make_train_function(force=True)
+            self._train_function = model.train_function
+            self._compiled_for = self.compiled_state()
+        else:
+            model.train_function = self._train_function
+        self.installed = True
+
+    def can_reinstall(self):
+        """Whether the traced train function still fits the model."""
+        if self.installed or self._compiled_for is None:
+            return False
+        current = self.compiled_state()
+        return all(a is b or a == b for a, b in zip(current, self._compiled_for))
+
+    def uninstall(self):
+        for patch in reversed(self.patches):
+            patch.restore()
+        model = self.model
+        if self.compiled_state() == self._plain_state:
+            model.train_function = self._plain_function
+        else:
+            model.train_function = None  # the next `fit` makes a plain one
+        self._plain_function = None
+        self.installed = False
