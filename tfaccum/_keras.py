@@ -169,7 +169,16 @@ class TfKeras:
 
     @staticmethod
     def build_optimizer(optimizer, variables):
-        optimizer.build(variables)  # a no-op once built
+        """Creates the optimizer's variables now, outside the update's branch."""
+        if hasattr(optimizer, "build"):
+            optimizer.build(variables)  # a no-op once built
+        else:
+            # A legacy optimizer (`tf_keras.optimizers.legacy.*`, or a
+            # LossScaleOptimizer over one) has no `build`; private:
+            # `OptimizerV2._create_all_weights` (tf_keras 2.16-2.21) makes
+            # its iterations, hyperparameters and slots, as its own
+            # `apply_gradients` would on the first call.
+            optimizer._create_all_weights(variables)
 
     @staticmethod
     def built_in_accumulation_steps(optimizer):
