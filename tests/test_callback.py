@@ -321,7 +321,7 @@ def test_verbose_prints_epoch_summary(capsys):
 def test_repr_and_config():
     callback = GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, leftover="carry")
     assert repr(callback) == ("GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, "
-                              "reduction='samples', leftover='carry', verbose=0, skip_nonfinite=None, "
+                              "reduction='auto', leftover='carry', verbose=0, skip_nonfinite=None, "
                               "noise_scale=None, log_dir=None, scalars=False, write_interval=30.0, "
                               "sparse_gradients='rows')")
     assert GradientAccumulationCallback(**callback.get_config()).get_config() == callback.get_config()
@@ -330,7 +330,7 @@ def test_repr_and_config():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(reduction="average"), r"`reduction` must be one of 'samples', 'mean', 'sum'. Received: reduction='average'"),
+        (dict(reduction="average"), r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum'. Received: reduction='average'"),
         (dict(leftover="keep"), r"`leftover` must be one of 'flush', 'carry', 'drop'. Received: leftover='keep'"),
         (dict(verbose=2), r"`verbose` must be 0 or 1. Received: verbose=2"),
     ],

@@ -217,7 +217,7 @@ def test_installing_twice_is_an_error():
 
 
 def test_bad_reduction_is_an_error():
-    with pytest.raises(ValueError, match=r"`reduction` must be one of 'samples', 'mean', 'sum'. Received: reduction='avg'"):
+    with pytest.raises(ValueError, match=r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum'. Received: reduction='avg'"):
         install_accumulation_hook(make_model(), accumulation_steps=2, reduction="avg")
 
 

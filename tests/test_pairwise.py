@@ -20,7 +20,7 @@ from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
 FACTORS = {
-    "reduction": ["samples", "mean", "sum"],
+    "reduction": ["auto", "samples", "mean", "sum"],
     "leftover": ["flush", "carry", "drop"],
     "skip_nonfinite": [None, True, False],
     "noise_scale": [None, True, False],

@@ -7,6 +7,7 @@ from tfaccum.hook import AccumulationHook
 from tfaccum.hook import Window
 from tfaccum.hook import install_accumulation_hook
 from tfaccum.hook import remove_accumulation_hook
+from tfaccum.items import count_items
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ __all__ = [
     "GradientAccumulationCallback",
     "Window",
     "convert_batch_norm",
+    "count_items",
     "install_accumulation_hook",
     "remove_accumulation_hook",
 ]

@@ -299,6 +299,90 @@ def batch_norm_renorm(layer):
     return bool(getattr(layer, "renorm", False))
 
 
+# -- what a compiled loss averages over (Keras 3) --------------------------------
+
+# Private: `CompileLoss._flat_losses`, a list of namedtuples `(path, loss,
+# loss_weights, name)` built before the first step (Keras 3.7-3.15).
+COMPILED_LOSSES_ATTRIBUTE = "_flat_losses"
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def compiled_loss_container(model):
+    """A Keras 3 model's `CompileLoss`, or `None` (tf_keras, or no compiled loss).
+
+    Private: `Trainer._compile_loss` (Keras 3.7-3.15). Built (its losses
+    resolved) before the first step under a distribution strategy, else
+    while the first step traces (`CompileLoss.build`).
+    """
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_losses_of(container):
+    """`(container, entries)` once the container is built, else `(container, None)`."""
+    entries = getattr(container, COMPILED_LOSSES_ATTRIBUTE, None)
+    return container, (list(entries) if entries else None)
+
+
+def compiled_loss_fn(entry):
+    return entry[1]
+
+
+def compiled_loss_name(entry):
+    """The output a compiled loss belongs to (its name in `fit`'s logs)."""
+    return entry[3]
+
+
+def replace_compiled_loss(entry, loss):
+    return entry._replace(**{entry._fields[1]: loss})
+
+
+def keras_mask(x):
+    """The Keras mask a tensor carries (`_keras_mask`), or `None`."""
+    return getattr(x, "_keras_mask", None)
+
+
+def loss_divisor(loss, values, mask, sample_weight):
+    """What Keras divides `loss` by, and whether that is a fixed multiple of the samples.
+
+    `values` are the per-element losses `loss.call` returned (they may carry
+    a mask of their own, as `ignore_class` does) and `mask` the one `y_pred`
+    carried. Under `"sum_over_batch_size"` (and `"mean"`) Keras divides by
+    the number of unmasked elements (`keras.losses.Loss.__call__`, 3.7-3.15).
+    Returns `(None, False)` where it does not divide by a count (`"sum"`,
+    `"mean_with_sample_weight"`, no reduction) or `values` is unknown.
+    """
+    reduction = getattr(loss, "reduction", None)
+    if values is None or reduction not in _MEAN_REDUCTIONS:
+        return None, False
+    own = keras_mask(values)
+    if own is not None:
+        mask = own if mask is None else tf.logical_and(tf.cast(mask, tf.bool), tf.cast(own, tf.bool))
+    if mask is not None:
+        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int64)), tf.int64), False
+    shape = values.shape
+    size = tf.size(values, out_type=tf.int64)
+    if sample_weight is not None:
+        # As `reduce_weighted_values` lines the weights up with the losses.
+        # Private: `keras.src.losses.loss.squeeze_or_expand_to_same_rank`
+        # (Keras 3.7-3.15).
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+
+        values, weights = squeeze_or_expand_to_same_rank(
+            values, tf.cast(sample_weight, values.dtype)
+        )
+        if values.shape.rank != weights.shape.rank or values.shape != weights.shape:
+            shape = tf.broadcast_static_shape(values.shape, weights.shape)
+            size = tf.reduce_prod(
+                tf.broadcast_dynamic_shape(
+                    tf.shape(values, out_type=tf.int64), tf.shape(weights, out_type=tf.int64)
+                )
+            )
+    proportional = shape.rank is not None and (
+        shape.rank == 0 or shape[1:].is_fully_defined()
+    )
+    return size, proportional
+
+
 def keep_as_function_call(cond_output):
     """Asks TensorFlow not to inline the update branch into the step's graph.
 

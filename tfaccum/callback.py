@@ -120,12 +120,18 @@ class GradientAccumulationCallback(_keras.Callback):
             >= 1; a dict `{epoch: steps}` whose value applies from that epoch
             (0-based) on, with 1 before its smallest key, e.g. `{0: 8, 5: 4}`;
             or a callable `epoch -> steps`, evaluated at each epoch's start.
-        reduction: How a window's gradients are combined. `"samples"` weights
-            each micro-batch by its number of samples, so a window is exactly
-            one large batch even when it ends with a smaller micro-batch.
-            `"mean"` weights micro-batches equally (Keras' built-in behaviour);
-            `"sum"` adds them without dividing (for losses reduced with
-            `"sum"`). Defaults to `"samples"`.
+        reduction: How a window's gradients are combined. `"auto"` weights
+            each micro-batch by what its loss is an average over and divides
+            by the window's total, so a window is exactly one large batch,
+            even when it ends with a smaller micro-batch: its samples, or,
+            where a Keras mask (`Embedding(mask_zero=True)`, `Masking`, ...)
+            or `ignore_class=` reaches the loss, its unmasked elements
+            (tokens). A custom loss or step says it with
+            `tfaccum.count_items()`. `"samples"` always weights by samples
+            (exact for losses averaged per sample); `"mean"` weights
+            micro-batches equally (Keras' built-in behaviour); `"sum"` adds
+            them without dividing (for losses reduced with `"sum"`).
+            Defaults to `"auto"`.
         leftover: What happens to a window that is not full when an epoch
             ends. `"flush"` applies it, normalised by what it holds, before
             validation runs. `"carry"` keeps it for the next epoch and applies
@@ -175,6 +181,10 @@ class GradientAccumulationCallback(_keras.Callback):
         flushes: Partial windows applied at epoch or `fit` end.
         dropped_micro_steps: Micro-batches discarded by `leftover="drop"`.
         nonfinite_skips: Micro-batches left out for non-finite gradients.
+        samples: Samples whose gradients joined a window.
+        items: What their losses averaged over: equal to `samples`, or the
+            unmasked elements (tokens) where masks or `ignore_class` reach the
+            loss; windows are weighted in this unit (`reduction="auto"`).
 
     Example:
 
@@ -190,7 +200,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self,
         *,
         accumulation_steps=None,
-        reduction="samples",
+        reduction="auto",
         leftover="flush",
         verbose=0,
         skip_nonfinite=None,
@@ -279,6 +289,14 @@ class GradientAccumulationCallback(_keras.Callback):
     @property
     def nonfinite_skips(self):
         return self._count("nonfinite_skips")
+
+    @property
+    def samples(self):
+        return self._count("samples")
+
+    @property
+    def items(self):
+        return self._count("items")
 
     @property
     def noise_scale(self):
@@ -484,7 +502,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self.hook.set_accumulation_steps(steps)
         self._last_batch = -1
         if self.verbose:
-            self._epoch_start = (self.hook.micro_steps, self.hook.optimizer_steps)
+            self._epoch_start = self.hook.counts.numpy()
         self._epoch_open = True
 
     def on_train_batch_end(self, batch, logs=None):
@@ -512,11 +530,15 @@ class GradientAccumulationCallback(_keras.Callback):
             self.summaries.flush()
         self._last_batch = -1
         if self.verbose:
-            micro_start, updates_start = self._epoch_start
+            now = self.hook.counts.numpy()
+            epoch_count = {name: now[name] - self._epoch_start[name] for name in now}
+            items = ""
+            if epoch_count["items"] != epoch_count["samples"]:
+                items = f" ({epoch_count['items']} items)"
             _keras.print_msg(
                 f"Epoch {epoch + 1}: "
-                f"{self.hook.micro_steps - micro_start} micro-steps, "
-                f"{self.hook.optimizer_steps - updates_start} optimizer updates "
+                f"{epoch_count['micro_steps']} micro-steps{items}, "
+                f"{epoch_count['optimizer_steps']} optimizer updates "
                 f"(accumulation_steps={self.hook.accumulation_steps}); "
                 f"{self._describe_leftover(self._leftover_window)}"
                 f"{self._describe_noise_scale()}."

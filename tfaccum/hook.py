@@ -6,6 +6,7 @@ callback's epoch bookkeeping).
 """
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import warnings
@@ -13,6 +14,8 @@ import warnings
 import tensorflow as tf
 
 from tfaccum import _keras
+from tfaccum.items import LossCounting
+from tfaccum.items import OnceWarner
 from tfaccum.layers import window_observers
 from tfaccum.observers import MicroStep
 from tfaccum.observers import Update
@@ -23,7 +26,7 @@ from tfaccum.schedule import check_steps
 from tfaccum.window import WINDOW_COUNTS
 from tfaccum.window import AccumulationWindow
 
-REDUCTIONS = ("samples", "mean", "sum")
+REDUCTIONS = ("auto", "samples", "mean", "sum")
 SPARSE_GRADIENTS = ("rows", "dense")
 
 Window = collections.namedtuple("Window", ["micro_batches", "samples"])
@@ -66,6 +69,8 @@ class _Step:
     applies: int = 0
     weighted_by_loss: bool = False
     scales: int = 0
+    items: object = None  # an `ItemCount` under reduction="auto"
+    weight: object = None  # the micro-batch's weight in its window, once known
 
 
 def _count_samples(data):
@@ -111,12 +116,15 @@ class AccumulationHook:
         model: A compiled Keras model.
         accumulation_steps: Integer >= 1, micro-batches per optimizer update.
             Change it between steps with `set_accumulation_steps()`.
-        reduction: How the window's gradients are combined. `"samples"`
-            weights each micro-batch by its number of samples, so a window is
-            exactly one large batch even when its last micro-batch is short.
+        reduction: How the window's gradients are combined. `"auto"` weights
+            each micro-batch by what its loss is an average over, and divides
+            by the window's total, so a window is exactly one large batch:
+            its samples, or, where a Keras mask or `ignore_class` reaches the
+            loss, its unmasked elements (tokens); see `count_items()` for
+            custom steps and losses. `"samples"` always weights by samples,
             `"mean"` gives each micro-batch equal weight (Keras' own
             accumulation), `"sum"` adds them without dividing. Defaults to
-            `"samples"`.
+            `"auto"`.
         skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
             infinity out of its window (counted in `nonfinite_skips`) instead
             of letting it spoil the window. Under mixed precision
@@ -159,7 +167,7 @@ class AccumulationHook:
         model,
         *,
         accumulation_steps,
-        reduction="samples",
+        reduction="auto",
         skip_nonfinite=None,
         sparse_gradients="rows",
         observers=(),
@@ -213,6 +221,8 @@ class AccumulationHook:
         self._flush_function = None
         self._drop_function = None
         self._warned_dense = False
+        self._loss_counting = None  # made at the first trace (reduction="auto")
+        self._warn_items = OnceWarner()
         self.window = AccumulationWindow(
             self._strategy,
             sparse_rows=sparse_gradients == "rows" and not model.jit_compile,
@@ -242,7 +252,7 @@ class AccumulationHook:
         ]
         if (
             api.scales_loss_in_step
-            and self.reduction == "samples"
+            and self.reduction in ("auto", "samples")
             and not _keras.scales_loss_dynamically(optimizer)
         ):
             optimizer_patches.append(
@@ -406,6 +416,20 @@ class AccumulationHook:
         return self.counts.numpy()["nonfinite_skips"]
 
     @property
+    def samples(self):
+        """Samples whose gradients joined a window (left-out micro-batches excluded)."""
+        return self.counts.numpy()["samples"]
+
+    @property
+    def items(self):
+        """What those samples' losses averaged over: samples, or unmasked tokens.
+
+        The unit windows are weighted by (under `reduction="auto"`); equal to
+        `samples` for losses averaged per sample.
+        """
+        return self.counts.numpy()["items"]
+
+    @property
     def pending(self):
         """The `Window` accumulated but not yet applied."""
         counts = self.counts.numpy()
@@ -427,7 +451,7 @@ class AccumulationHook:
         step = _Step(samples=_count_samples(data))
         # MirroredStrategy traces the step of each replica in its own thread.
         self._local.step = step
-        with self._optimizer_patches.active():
+        with self._optimizer_patches.active(), self._counting(step):
             logs = self._train_step_patch.original()(data)
         if step.applies == 0 and not self.model.trainable_weights:
             # Nothing to train: Keras warns and skips the update; so do we.
@@ -446,6 +470,27 @@ class AccumulationHook:
                 "or with several optimizers, is not supported."
             )
         return logs
+
+    @contextlib.contextmanager
+    def _counting(self, step):
+        """Under reduction="auto": what the step's loss averages over."""
+        if self.reduction != "auto":
+            yield
+            return
+        if self._loss_counting is None:  # the compiled loss is built by now
+            self._loss_counting = LossCounting(self.model)
+        with self._loss_counting.counting() as items:
+            step.items = items
+            yield
+
+    def _weight(self, step):
+        """The micro-batch's weight in its window (int64), resolved once."""
+        if step.weight is None:
+            if step.items is not None:
+                step.weight = step.items.resolve(step.samples, self._warn_items)
+            else:
+                step.weight = step.samples
+        return step.weight
 
     # The hook's graph code needs no AutoGraph (tf_keras converts the train
     # step, and with it whatever the step calls; TensorFlow 2.16's converter
@@ -476,7 +521,7 @@ class AccumulationHook:
         step.scales += 1
         step.weighted_by_loss = True
         loss = self._scale_loss_patch.original()(loss)
-        return loss * tf.cast(step.samples, loss.dtype)
+        return loss * tf.cast(self._weight(step), loss.dtype)
 
     def _micro_step(self, grads, variables, step):
         window = self.window
@@ -495,26 +540,33 @@ class AccumulationHook:
         with tf.init_scope():
             self._api.build_optimizer(self._optimizer, variables)
         samples = step.samples
+        items = self._weight(step)
         gradient_scale = self._api.loss_scale(self._optimizer)
         if step.weighted_by_loss:
-            weight = tf.cast(samples, tf.float32)
+            weight = tf.cast(items, tf.float32)
             gradient_scale = weight if gradient_scale is None else gradient_scale * weight
         micro = MicroStep(
             grads=grads,
             variables=variables,
             samples=samples,
+            items=items,
             gradient_scale=gradient_scale,
             mean_divisor=samples if self.reduction == "sum" else None,
         )
-        weighted = self.reduction == "samples" and not step.weighted_by_loss
+        weighted = self.reduction in ("auto", "samples") and not step.weighted_by_loss
         counts = self.counts
 
         def add():
-            window.add(grads, variables, samples if weighted else None)
+            window.add(grads, variables, items if weighted else None)
             for observer in self.observers:
                 observer.on_micro_step(micro)
             return counts.delta(
-                micro_steps=1, window_micro_batches=1, window_samples=samples
+                micro_steps=1,
+                window_micro_batches=1,
+                window_samples=samples,
+                window_items=items,
+                samples=samples,
+                items=items,
             )
 
         def leave_out():
@@ -629,10 +681,10 @@ class AccumulationHook:
 
     def _denominator(self, window):
         """What the window's sum is divided by, for `self.reduction`."""
-        if self.reduction == "samples":
+        if self.reduction in ("auto", "samples"):
             # Keras divides each replica's loss by the number of replicas
             # and sums their gradients: undo the first, let it do the second.
-            denominator = window["window_samples"]
+            denominator = window["window_items" if self.reduction == "auto" else "window_samples"]
             if self._replicas > 1:
                 denominator = tf.cast(denominator, tf.float64) / self._replicas
             return denominator
@@ -755,7 +807,7 @@ def install_accumulation_hook(
     model,
     *,
     accumulation_steps,
-    reduction="samples",
+    reduction="auto",
     skip_nonfinite=None,
     sparse_gradients="rows",
 ):

@@ -54,13 +54,15 @@ class NoiseScaleEstimator(WindowObserver):
 
     # -- the window protocol ----------------------------------------------------
 
+    # Batch sizes are in the unit the window weights by: samples, or under
+    # reduction="auto" with masked losses the items (tokens) averaged over.
     def on_micro_step(self, step):
-        self.add_micro_batch(step.mean_squared_norm, step.samples)
+        self.add_micro_batch(step.mean_squared_norm, step.samples if step.items is None else step.items)
 
     def on_apply(self, update):
         self.add_window(
             update.mean_squared_norm,
-            samples=update.window["window_samples"],
+            samples=update.window["window_items"],
             micro_batches=update.contributing_micro_batches,
         )
 

@@ -58,6 +58,8 @@ class MicroStep:
             variable got none); multiplied by `gradient_scale`.
         variables: Their variables.
         samples: Samples in the micro-batch (int64; this replica's).
+        items: The micro-batch's weight in its window (int64): its samples,
+            or what its loss averaged over (tokens) under reduction="auto".
         gradient_scale: What `grads` are multiplied by relative to the
             micro-batch's own (mean) loss gradient: loss scaling and sample
             weighting; a float32 tensor or `None`.
@@ -69,6 +71,7 @@ class MicroStep:
     grads: list
     variables: list
     samples: tf.Tensor
+    items: object = None
     gradient_scale: object = None
     mean_divisor: object = None
 
@@ -96,8 +99,8 @@ class Update:
         gradient_scale: What `grads` are multiplied by (loss scaling), read
             before the update; a float32 tensor or `None`.
         window: `{name: int64 tensor}` of the window's counts
-            (`window_micro_batches`, `window_samples`, `window_nonfinite`),
-            over all replicas.
+            (`window_micro_batches`, `window_samples`, `window_items`,
+            `window_nonfinite`), over all replicas.
         counts: `{name: int64 tensor}` of this hook's counts before the
             update (`micro_steps`, `optimizer_steps`, ...).
         iterations: `optimizer.iterations` after the update.

@@ -10,8 +10,17 @@ import tensorflow as tf
 
 # The counts a hook keeps. The `window_*` ones describe the open window and
 # go back to zero when it ends; the others count since the hook was installed.
-WINDOW_COUNTS = ("window_micro_batches", "window_samples", "window_nonfinite")
+# `window_items`: what the window's gradient is divided by under
+# reduction="auto": its samples, or the unmasked elements its losses averaged.
+WINDOW_COUNTS = (
+    "window_micro_batches",
+    "window_samples",
+    "window_items",
+    "window_nonfinite",
+)
 TOTAL_COUNTS = (
+    "samples",
+    "items",
     "micro_steps",
     "optimizer_steps",
     "flushes",
@@ -20,7 +29,7 @@ TOTAL_COUNTS = (
 )
 # With several replicas each replica counts its own samples (the window's are
 # their sum); every other count is kept by the first replica only.
-SUMMED_OVER_REPLICAS = ("window_samples",)
+SUMMED_OVER_REPLICAS = ("window_samples", "window_items", "samples", "items")
 
 
 class Counts:
@@ -116,8 +125,10 @@ class _DenseAccumulator:
             values = tf.cast(grad.values, dtype)
             if weight is not None:
                 values = values * tf.cast(weight, dtype)
-            self.variable.scatter_add(
-                tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+            # On the handle: a variable kept per replica (ON_READ) has no
+            # `scatter_add` of its own.
+            tf.raw_ops.ResourceScatterAdd(
+                resource=self.variable.handle, indices=grad.indices, updates=values
             )
         elif weight is not None:
             # accumulator -= (-weight) * grad, in one fused kernel.

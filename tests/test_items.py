@@ -1,0 +1,252 @@
+"""Token-exact accumulation: masked and padded sequence losses equal the large batch.
+
+Keras divides a masked loss by its unmasked elements, a micro-batch's by its
+own; the large batch divides once by the window's total. Under
+`reduction="auto"` (the default) each micro-batch is weighted by that count.
+Every test here also checks that sample weighting alone is measurably off.
+"""
+
+import warnings
+
+from conftest import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import OPTIMIZERS
+
+import tfaccum
+from tfaccum import GradientAccumulationCallback
+
+pytestmark = pytest.mark.keras3  # automatic counting reads Keras 3's compiled losses
+
+TOL = 1e-5
+N, T, VOCAB, CLASSES = 50, 10, 20, 5  # 13 micro-batches of 4: the last holds 2
+MICRO, STEPS = 4, 4
+
+
+def sequences(seed=0):
+    """Sequences of lengths 1..T, zero-padded, with per-token labels."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, T + 1, N)
+    padding = np.arange(T)[None, :] >= lengths[:, None]
+    tokens = rng.integers(1, VOCAB, (N, T))
+    tokens[padding] = 0
+    labels = rng.integers(0, CLASSES, (N, T))
+    ignored = labels.copy()
+    ignored[padding] = -100
+    return tokens, labels, ignored, padding
+
+
+def sequence_model(optimizer="sgd", mask_zero=True, ignore_class=None, masking=False,
+                   seed=0, **compile_kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((T,), dtype="int32")
+    if masking:  # a Masking layer on one-hot features instead of an embedding mask
+        inputs = keras.Input((T, VOCAB))
+        hidden = keras.layers.Masking(0.0)(inputs)
+    else:
+        hidden = keras.layers.Embedding(VOCAB, 8, mask_zero=mask_zero)(inputs)
+    hidden = keras.layers.LSTM(8, return_sequences=True)(hidden)
+    outputs = keras.layers.Dense(CLASSES)(hidden)
+    model = keras.Model(inputs, outputs)
+    factory = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    model.compile(
+        optimizer=factory(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=ignore_class),
+        **compile_kwargs,
+    )
+    return model
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append([np.array(w) for w in self.model.get_weights()])
+
+
+def max_diff(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=True))
+
+
+def compare(build, x, y, epochs=2, sample_weight=None, callback_kwargs=None, **fit_kwargs):
+    """Largest weight difference to the large batch after every update, per reduction."""
+    fit = dict(epochs=epochs, shuffle=False, verbose=0, sample_weight=sample_weight, **fit_kwargs)
+    reference, seen = build(), Recorder()
+    reference.fit(x, y, batch_size=MICRO * STEPS, callbacks=[seen], **fit)
+    results = {}
+    for reduction in ("auto", "samples"):
+        model, ours = build(), Recorder()
+        callback = GradientAccumulationCallback(
+            accumulation_steps=STEPS, reduction=reduction, **(callback_kwargs or {}))
+        model.fit(x, y, batch_size=MICRO, callbacks=[callback, ours], **fit)
+        # After each update: micro-batches 4, 8, 12 and the flushed 13th of an epoch.
+        updates = [w for i, w in enumerate(ours.weights) if i % 13 in (3, 7, 11, 12)]
+        assert len(updates) == len(seen.weights) == 4 * epochs
+        results[reduction] = max(max_diff(u, r) for u, r in zip(updates, seen.weights))
+        results[reduction + "-callback"] = callback
+    return results
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adam", "adamw_clipnorm"])
+def test_embedding_mask_step_for_step(optimizer):
+    tokens, labels, _, _ = sequences()
+    results = compare(lambda: sequence_model(optimizer), tokens, labels)
+    assert results["auto"] < TOL
+    assert results["samples"] > 1e-3  # weighting by samples is not the large batch
+
+
+def test_ignore_class():
+    tokens, _, ignored, _ = sequences()
+    results = compare(lambda: sequence_model(mask_zero=False, ignore_class=-100), tokens, ignored)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
+
+
+def test_masking_layer():
+    tokens, labels, _, _ = sequences()
+    one_hot = np.eye(VOCAB, dtype="float32")[tokens] * (tokens > 0)[..., None]
+    results = compare(lambda: sequence_model(masking=True), one_hot, labels)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
+
+
+def test_mask_with_sample_weight():
+    tokens, labels, _, _ = sequences()
+    # Per-token weights (Keras takes [samples, tokens] weights for sequences).
+    weights = np.repeat(np.linspace(0.2, 2.0, N)[:, None], T, axis=1).astype("float32")
+    results = compare(lambda: sequence_model("adam"), tokens, labels, sample_weight=weights)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
+
+
+def test_mask_and_ignore_class_together_with_per_token_weights():
+    tokens, _, ignored, padding = sequences()
+    ignored[:, 0] = np.where(np.arange(N) % 3 == 0, -100, ignored[:, 0])  # more ignored
+    weights = np.where(padding, 0.0, 1.0 + (np.arange(T) % 2)).astype("float32")
+    results = compare(lambda: sequence_model("adam", ignore_class=-100), tokens, ignored,
+                      sample_weight=weights)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
+
+
+def test_jit_compile():
+    # SGD with momentum: under XLA the embedding's window is dense (sparse
+    # rows need varying shapes), which Adam would apply differently.
+    tokens, labels, _, _ = sequences()
+    with pytest.warns(UserWarning, match="accumulated densely under jit_compile"):
+        results = compare(lambda: sequence_model("sgd_momentum", jit_compile=True), tokens, labels)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
+
+
+def test_steps_per_execution():
+    tokens, labels, _, _ = sequences()
+    fit = dict(epochs=2, shuffle=False, verbose=0)
+    reference = sequence_model("adam", steps_per_execution=3)
+    reference.fit(tokens, labels, batch_size=MICRO * STEPS, **fit)
+    for reduction, close in (("auto", True), ("samples", False)):
+        model = sequence_model("adam", steps_per_execution=3)
+        model.fit(tokens, labels, batch_size=MICRO, **fit, callbacks=[
+            GradientAccumulationCallback(accumulation_steps=STEPS, reduction=reduction)])
+        diff = max_diff(model.get_weights(), reference.get_weights())
+        assert (diff < TOL) if close else (diff > 1e-3), (reduction, diff)
+
+
+@pytest.mark.parametrize("leftover", ["carry", "drop"])
+def test_partial_windows(leftover):
+    tokens, labels, _, _ = sequences()
+    stream = [(tokens[i:i + MICRO], labels[i:i + MICRO]) for _ in range(2) for i in range(0, N, MICRO)]
+    windows = [stream[i:i + STEPS] for i in range(0, len(stream), STEPS)] if leftover == "carry" else [
+        stream[e * 13 + i:e * 13 + i + STEPS] for e in range(2) for i in (0, 4, 8)]
+    reference = sequence_model("adam")
+    for window in windows:
+        reference.train_on_batch(np.concatenate([w[0] for w in window]),
+                                 np.concatenate([w[1] for w in window]))
+    model = sequence_model("adam")
+    callback = GradientAccumulationCallback(accumulation_steps=STEPS, leftover=leftover)
+    model.fit(tokens, labels, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_diff(model.get_weights(), reference.get_weights()) < TOL
+    assert callback.optimizer_steps == len(windows)
+
+
+def test_window_items_are_counted(capsys):
+    tokens, labels, _, padding = sequences()
+    model = sequence_model()
+    callback = GradientAccumulationCallback(accumulation_steps=13, verbose=1)
+    model.fit(tokens, labels, batch_size=MICRO, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert callback.hook.counts.numpy()["window_items"] == 0  # applied
+    assert callback.items == int((~padding).sum())  # tokens trained on in this fit
+    assert f"{int((~padding).sum())} items" in capsys.readouterr().out
+
+
+class TokenMeanLoss(keras.losses.Loss):
+    """A custom token-averaged loss: labels of -1 do not count."""
+
+    def __init__(self, counted=True):
+        super().__init__(reduction="sum")  # it returns its own mean
+        self.counted = counted
+
+    def call(self, y_true, y_pred):
+        valid = tf.cast(y_true >= 0, tf.float32)
+        per_token = keras.losses.sparse_categorical_crossentropy(
+            tf.maximum(y_true, 0), y_pred, from_logits=True) * valid
+        items = tf.reduce_sum(valid)
+        if self.counted:
+            items = tfaccum.count_items(items)
+        return tf.reduce_sum(per_token) / items
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["count_items", "without"])
+def test_custom_loss_says_what_it_averages_over(counted):
+    tokens, _, ignored, _ = sequences()
+    ignored[ignored == -100] = -1
+
+    def build():
+        model = sequence_model(mask_zero=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=TokenMeanLoss(counted))
+        return model
+
+    results = compare(build, tokens, ignored)
+    if counted:
+        assert results["auto"] < TOL
+    else:
+        # A loss that divides by its own count without saying so is weighted
+        # by samples: measurably not the large batch (and warned about).
+        assert results["auto"] > 1e-3
+
+
+def test_several_differently_masked_outputs_are_warned_about():
+    tokens, labels, _, _ = sequences()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T,), dtype="int32")
+    hidden = keras.layers.LSTM(8, return_sequences=True)(
+        keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs))
+    per_token = keras.layers.Dense(CLASSES, name="per_token")(hidden)
+    per_sequence = keras.layers.Dense(1, name="per_sequence")(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = keras.Model(inputs, {"per_token": per_token, "per_sequence": per_sequence})
+    model.compile(optimizer="sgd", loss={
+        "per_token": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "per_sequence": "mse"})
+    y = {"per_token": labels, "per_sequence": labels.mean(axis=1, keepdims=True)}
+    with pytest.warns(UserWarning, match=r"per_token.*several outputs whose losses average over different counts"):
+        model.fit(tokens, y, batch_size=MICRO, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=STEPS)])
+
+
+def test_mirrored_replicas_with_different_token_counts():
+    from test_distribution import mirrored
+
+    tokens, labels, _, padding = sequences()
+    # Each replica gets half of each micro-batch of 4: their token counts differ.
+    halves = (~padding[:48]).reshape(-1, 2, 2, T).sum(axis=(2, 3))
+    assert (halves[:, 0] != halves[:, 1]).sum() >= 10
+    # SGD with momentum: with several replicas the embedding's window is
+    # dense (refused for rows), which Adam would apply differently.
+    reference = sequence_model("sgd_momentum")
+    reference.fit(tokens, labels, batch_size=MICRO * STEPS, epochs=2, shuffle=False, verbose=0)
+    strategy = mirrored()
+    with strategy.scope():
+        model = sequence_model("sgd_momentum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(tokens, labels, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=STEPS)])
+    assert max_diff(model.get_weights(), reference.get_weights()) < TOL

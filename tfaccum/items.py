@@ -1,0 +1,232 @@
+"""What one micro-batch's loss is an average over: its samples, or its tokens.
+
+Keras' default loss reduction (`"sum_over_batch_size"`) divides a loss by the
+number of elements it averaged: every element, or only the unmasked ones
+when a Keras mask reaches the loss (`Embedding(mask_zero=True)`, `Masking`,
+`compute_mask`) or the loss masks labels itself (`ignore_class=`). A large
+batch divides once by its total; so a window must weight each micro-batch by
+that count, not by its samples, to be the large batch. This module finds the
+count for Keras' compiled losses while the train step traces, and gives
+custom steps and losses a way to say it themselves: `count_items()`.
+"""
+
+import contextlib
+import threading
+import warnings
+
+import tensorflow as tf
+
+from tfaccum import _keras
+from tfaccum.patching import InstancePatch
+
+_current = threading.local()  # the `ItemCount` of the step tracing in this thread
+
+
+class ItemCount:
+    """What the loss of the micro-step being traced averages over.
+
+    `per_output` holds, for each compiled loss, its name and count (an int64
+    tensor, `None` where it cannot be known), and whether the count is a
+    fixed multiple of the micro-batch's samples. `explicit` is a count given
+    with `count_items()`.
+    """
+
+    def __init__(self):
+        self.per_output = []  # (name, count or None, proportional to samples)
+        self.explicit = None
+
+    def resolve(self, samples, warn):
+        """The micro-batch's weight in its window, as an int64 tensor.
+
+        An explicit count wins. One compiled loss: its count. Several: the
+        samples, exact only if every loss averages over a fixed number of
+        elements per sample; `warn(names, reason)` is called otherwise.
+        """
+        if self.explicit is not None:
+            return self.explicit
+        if not self.per_output:
+            return samples
+        if len(self.per_output) == 1:
+            name, count, _ = self.per_output[0]
+            if count is None:
+                warn([name], "its loss does not say what it averages over")
+                return samples
+            return count
+        uneven = [name for name, _, proportional in self.per_output if not proportional]
+        if uneven:
+            warn(
+                uneven,
+                "several outputs whose losses average over different counts "
+                "(masks, ignore_class or varying lengths) would need one "
+                "accumulator per output",
+            )
+        return samples
+
+
+def count_items(items):
+    """Tells gradient accumulation what this micro-batch's loss is an average over.
+
+    Call it inside a custom `train_step` or a custom loss, with the number of
+    items (tokens, pixels, ...) the micro-batch's loss was divided by. The
+    window then weights each micro-batch by it and divides by the window's
+    total, as one large batch would: Hugging Face's `num_items_in_batch`.
+    Outside a step that an accumulation hook traces, it does nothing. It
+    takes precedence over what tfaccum finds in Keras' compiled losses.
+
+    Args:
+        items: A scalar (Python number or tensor): the count this micro-batch's
+            loss was divided by. Under a `tf.distribute` strategy, this
+            replica's count.
+
+    Returns:
+        `items`, unchanged, so that it can wrap the divisor in place.
+
+    Example:
+
+    ```python
+    class TokenMeanLoss(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            valid = ops.cast(y_true != -100, "float32")
+            per_token = ops.sparse_categorical_crossentropy(
+                ops.maximum(y_true, 0), y_pred) * valid
+            items = tfaccum.count_items(ops.sum(valid))
+            return ops.sum(per_token) / items  # a token mean
+    ```
+    """
+    count = getattr(_current, "count", None)
+    if count is not None:
+        count.explicit = tf.cast(tf.round(tf.cast(items, tf.float64)), tf.int64)
+    return items
+
+
+class LossCounting:
+    """Counts, while a model's train step traces, what each compiled loss averages over.
+
+    While a step traces, Keras 3's compiled losses are wrapped: each wrapped
+    loss computes exactly what it did, and records its count in the tracing
+    thread's `ItemCount`. Without a distribution strategy Keras builds its
+    compiled loss only when the first step traces: then the losses are
+    wrapped as soon as they are built. Nothing is wrapped for models without
+    a Keras 3 compiled loss (tf_keras, custom steps); `count_items()` works
+    for all.
+    """
+
+    def __init__(self, model):
+        self._compile_loss = _keras.compiled_loss_container(model)
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._patches = []
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Yields the tracing step's `ItemCount`, filled as its loss is computed."""
+        count = ItemCount()
+        previous = getattr(_current, "count", None)
+        _current.count = count
+        with self._lock:
+            if not self._depth:
+                self._wrap()
+            self._depth += 1
+        try:
+            yield count
+        finally:
+            _current.count = previous
+            with self._lock:
+                self._depth -= 1
+                if not self._depth:
+                    for patch in reversed(self._patches):
+                        patch.restore()
+                    self._patches = []
+
+    def _wrap(self):
+        container = self._compile_loss
+        if container is None:
+            return
+        _, entries = _keras.compiled_losses_of(container)
+        if entries:
+            self._wrap_entries(entries)
+            return
+        build = container.build
+
+        def build_then_wrap(*args, **kwargs):
+            result = build(*args, **kwargs)
+            _, built = _keras.compiled_losses_of(container)
+            if built:
+                self._wrap_entries(built)
+            return result
+
+        self._apply(InstancePatch(container, "build", build_then_wrap))
+
+    def _wrap_entries(self, entries):
+        wrapped = [
+            _keras.replace_compiled_loss(
+                entry,
+                _Counted(_keras.compiled_loss_fn(entry), _keras.compiled_loss_name(entry)),
+            )
+            for entry in entries
+        ]
+        self._apply(InstancePatch(self._compile_loss, _keras.COMPILED_LOSSES_ATTRIBUTE, wrapped))
+        for entry in entries:
+            loss = _keras.compiled_loss_fn(entry)
+            if hasattr(loss, "call"):
+                self._apply(InstancePatch(loss, "call", _capturing(loss)))
+
+    def _apply(self, patch):
+        patch.apply()
+        self._patches.append(patch)
+
+
+def _capturing(loss):
+    """`loss.call` (as it is now), keeping what it returns for the tracing thread."""
+    original = loss.call
+
+    def call(*args, **kwargs):
+        values = original(*args, **kwargs)
+        _current.values = values
+        return values
+
+    return call
+
+
+class _Counted:
+    """A compiled loss that records its count, and computes what it did."""
+
+    def __init__(self, loss, name):
+        self.loss = loss
+        self.name = name or getattr(loss, "name", None) or repr(loss)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        count = getattr(_current, "count", None)
+        if count is None:  # not inside a counted trace
+            return self.loss(y_true, y_pred, sample_weight)
+        mask = _keras.keras_mask(y_pred)
+        _current.values = None
+        value = self.loss(y_true, y_pred, sample_weight)
+        divisor, proportional = _keras.loss_divisor(
+            self.loss, _current.values, mask, sample_weight
+        )
+        count.per_output.append((self.name, divisor, proportional))
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.loss, name)
+
+
+class OnceWarner:
+    """Warns once per hook about micro-batches it cannot weight exactly."""
+
+    def __init__(self):
+        self.warned = False
+
+    def __call__(self, names, reason):
+        if self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            f"Gradient accumulation weights the micro-batches of {names} by "
+            f"their samples, which is not exactly the large batch here: "
+            f"{reason}. Call `tfaccum.count_items(n)` in the loss or train "
+            "step with what one micro-batch's loss averages over to make it "
+            "exact.",
+            stacklevel=4,
+        )
