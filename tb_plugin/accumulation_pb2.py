@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x61\x63\x63umulation.proto\x12\x07tfaccum\"\xa9\x03\n\x16\x41\x63\x63umulationPluginData\x12\x0f\n\x07version\x18\x01 \x01(\x05\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.tfaccum.AccumulationPluginData.Kind\x12\x10\n\x08variable\x18\x03 \x01(\t\"\xb7\x02\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41PPLIED_GRADIENT_NORM\x10\x01\x12\x14\n\x10\x41\x43\x43UMULATOR_NORM\x10\x02\x12\x13\n\x0fMICRO_NORM_MEAN\x10\x03\x12\x12\n\x0eMICRO_NORM_MAX\x10\x04\x12\x18\n\x14WINDOW_MICRO_BATCHES\x10\x05\x12\x12\n\x0eWINDOW_SAMPLES\x10\x06\x12\x0f\n\x0bMICRO_STEPS\x10\x07\x12\x13\n\x0fSKIPPED_UPDATES\x10\x08\x12\x13\n\x0fNONFINITE_SKIPS\x10\t\x12\x13\n\x0fLEFTOVER_POLICY\x10\n\x12\x1a\n\x16LEFTOVER_MICRO_BATCHES\x10\x0b\x12\x14\n\x10LEFTOVER_SAMPLES\x10\x0c\x12\x0f\n\x0bNOISE_SCALE\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x61\x63\x63umulation.proto\x12\x07tfaccum\"\xcc\x03\n\x16\x41\x63\x63umulationPluginData\x12\x0f\n\x07version\x18\x01 \x01(\x05\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.tfaccum.AccumulationPluginData.Kind\x12\x10\n\x08variable\x18\x03 \x01(\t\"\xda\x02\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41PPLIED_GRADIENT_NORM\x10\x01\x12\x14\n\x10\x41\x43\x43UMULATOR_NORM\x10\x02\x12\x13\n\x0fMICRO_NORM_MEAN\x10\x03\x12\x12\n\x0eMICRO_NORM_MAX\x10\x04\x12\x18\n\x14WINDOW_MICRO_BATCHES\x10\x05\x12\x12\n\x0eWINDOW_SAMPLES\x10\x06\x12\x0f\n\x0bMICRO_STEPS\x10\x07\x12\x13\n\x0fSKIPPED_UPDATES\x10\x08\x12\x13\n\x0fNONFINITE_SKIPS\x10\t\x12\x13\n\x0fLEFTOVER_POLICY\x10\n\x12\x1a\n\x16LEFTOVER_MICRO_BATCHES\x10\x0b\x12\x14\n\x10LEFTOVER_SAMPLES\x10\x0c\x12\x0f\n\x0bNOISE_SCALE\x10\r\x12\x10\n\x0cWINDOW_ITEMS\x10\x0e\x12\x0f\n\x0bWINDOW_LOSS\x10\x0f\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -22,7 +22,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'accumulation_pb2', _globals
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _globals['_ACCUMULATIONPLUGINDATA']._serialized_start=32
-  _globals['_ACCUMULATIONPLUGINDATA']._serialized_end=457
+  _globals['_ACCUMULATIONPLUGINDATA']._serialized_end=492
   _globals['_ACCUMULATIONPLUGINDATA_KIND']._serialized_start=146
-  _globals['_ACCUMULATIONPLUGINDATA_KIND']._serialized_end=457
+  _globals['_ACCUMULATIONPLUGINDATA_KIND']._serialized_end=492
 # @@protoc_insertion_point(module_scope)

@@ -36,6 +36,8 @@ UPDATE_SERIES = (
     ("skipped_updates", Kind.SKIPPED_UPDATES),
     ("nonfinite_skips", Kind.NONFINITE_SKIPS),
     ("noise_scale", Kind.NOISE_SCALE),
+    ("window_items", Kind.WINDOW_ITEMS),
+    ("window_loss", Kind.WINDOW_LOSS),
 )
 # Series written once per leftover event.
 LEFTOVER_SERIES = (
@@ -97,6 +99,8 @@ _DESCRIPTIONS = {
     Kind.SKIPPED_UPDATES: "Micro-steps so far in this fit that did not update the optimizer.",
     Kind.NONFINITE_SKIPS: "Micro-batches so far left out of their window for non-finite gradients.",
     Kind.NOISE_SCALE: "Gradient noise scale B_simple (McCandlish et al. 2018), smoothed.",
+    Kind.WINDOW_ITEMS: "What the window's losses averaged over: its samples, or its unmasked tokens.",
+    Kind.WINDOW_LOSS: "The window's loss, weighted as its gradient: the loss the large batch reports.",
     Kind.LEFTOVER_POLICY: "Partial window at an epoch's or fit's end: "
     + ", ".join(f"{i} {policy}" for i, policy in enumerate(LEFTOVER_POLICIES))
     + ".",

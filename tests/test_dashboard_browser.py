@@ -44,6 +44,7 @@ READ_DASHBOARD = """() => {
     [...document.querySelectorAll(selector)].map((e) => [e.dataset.run, Number(e.dataset[attr])]));
   return {
     lines: byRun('path.applied[data-run]', 'points'),
+    loss: byRun('path.loss[data-run]', 'points'),
     markers: byRun('g.events[data-run]', 'markers'),
     nonfinite: byRun('g.nonfinite[data-run]', 'count'),
     policies: Object.fromEntries([...document.querySelectorAll('g.events[data-run]')].map((g) =>
@@ -202,6 +203,8 @@ def test_dashboard_draws_what_the_callback_wrote(browser, served):
     assert flush["flushes"] == EPOCHS and drop["dropped_micro_steps"] == EPOCHS
     for name, expected in counters.items():
         assert seen["lines"][name] == expected["optimizer_steps"], name
+        # The window loss: one point per update, from the callback's losses.
+        assert seen["loss"][name] == expected["optimizer_steps"], name
         assert seen["nonfinite"][name] == 0, name
         # The table shows the callback's own counters...
         table = seen["counters"][name]

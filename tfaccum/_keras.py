@@ -62,6 +62,8 @@ class Keras3:
     apply_method = "apply"
     # Whether the sample weighting can ride on `optimizer.scale_loss()`.
     scales_loss_in_step = True
+    # The optimizer method the step's loss passes through.
+    loss_method = "scale_loss"
 
     @staticmethod
     def is_compiled(model):
@@ -135,6 +137,7 @@ class TfKeras:
 
     apply_method = "apply_gradients"
     scales_loss_in_step = False
+    loss_method = "minimize"
 
     @staticmethod
     def is_compiled(model):
@@ -299,41 +302,57 @@ def batch_norm_renorm(layer):
     return bool(getattr(layer, "renorm", False))
 
 
-# -- what a compiled loss averages over (Keras 3) --------------------------------
+# -- what a compiled loss averages over ---------------------------------------
 
-# Private: `CompileLoss._flat_losses`, a list of namedtuples `(path, loss,
-# loss_weights, name)` built before the first step (Keras 3.7-3.15).
-COMPILED_LOSSES_ATTRIBUTE = "_flat_losses"
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+# Reductions that divide by the number of (unmasked) elements; tf_keras'
+# "auto" is "sum_over_batch_size" in `fit`.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
 
 
 def compiled_loss_container(model):
-    """A Keras 3 model's `CompileLoss`, or `None` (tf_keras, or no compiled loss).
+    """The object holding a model's compiled losses, or `None`.
 
-    Private: `Trainer._compile_loss` (Keras 3.7-3.15). Built (its losses
-    resolved) before the first step under a distribution strategy, else
-    while the first step traces (`CompileLoss.build`).
+    Private: Keras 3's `Trainer._compile_loss` (a `CompileLoss`, Keras
+    3.7-3.15) and tf_keras' `Model.compiled_loss` (a `LossesContainer`,
+    2.16-2.21). Either is built (its losses resolved per output) before the
+    first step under a distribution strategy, else while it traces (`build`).
     """
-    return getattr(model, "_compile_loss", None)
+    container = getattr(model, "_compile_loss", None)
+    if container is None and is_tf_keras_model(model):
+        container = getattr(model, "compiled_loss", None)
+    return container
 
 
 def compiled_losses_of(container):
-    """`(container, entries)` once the container is built, else `(container, None)`."""
-    entries = getattr(container, COMPILED_LOSSES_ATTRIBUTE, None)
-    return container, (list(entries) if entries else None)
+    """`[(output name, loss)]` of a built container, else `None`.
+
+    Private: `CompileLoss._flat_losses`, namedtuples `(path, loss,
+    loss_weights, name)` (Keras 3.7-3.15); `LossesContainer._losses` and
+    `_output_names`, `_built` (tf_keras 2.16-2.21; `None` for an output
+    without a loss).
+    """
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return [(entry[3], entry[1]) for entry in entries]
+    if getattr(container, "_built", False) and getattr(container, "_losses", None):
+        names = list(getattr(container, "_output_names", None) or [])
+        names += [None] * (len(container._losses) - len(names))
+        return [(name, loss) for name, loss in zip(names, container._losses) if loss is not None]
+    return None
 
 
-def compiled_loss_fn(entry):
-    return entry[1]
-
-
-def compiled_loss_name(entry):
-    """The output a compiled loss belongs to (its name in `fit`'s logs)."""
-    return entry[3]
-
-
-def replace_compiled_loss(entry, loss):
-    return entry._replace(**{entry._fields[1]: loss})
+def wrapped_losses_patch(container, wrap):
+    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss)`."""
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return "_flat_losses", [
+            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1])}) for entry in entries
+        ]
+    names = list(getattr(container, "_output_names", None) or [])
+    names += [None] * (len(container._losses) - len(names))
+    return "_losses", [
+        None if loss is None else wrap(name, loss) for name, loss in zip(names, container._losses)
+    ]
 
 
 def keras_mask(x):

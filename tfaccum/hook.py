@@ -71,6 +71,7 @@ class _Step:
     scales: int = 0
     items: object = None  # an `ItemCount` under reduction="auto"
     weight: object = None  # the micro-batch's weight in its window, once known
+    loss: object = None  # the step's loss (a mean), as the step computed it
 
 
 def _count_samples(data):
@@ -222,6 +223,7 @@ class AccumulationHook:
         self._drop_function = None
         self._warned_dense = False
         self._loss_counting = None  # made at the first trace (reduction="auto")
+        self._loss_seen = False  # whether the traced step showed its loss
         self._warn_items = OnceWarner()
         self.window = AccumulationWindow(
             self._strategy,
@@ -250,20 +252,20 @@ class AccumulationHook:
         optimizer_patches = [
             InstancePatch(optimizer, apply_method, self._accumulating_apply)
         ]
-        if (
+        # Where the step's loss passes: Keras 3's `scale_loss()`, tf_keras'
+        # `minimize()`. Weighting the loss by the micro-batch's count weights
+        # every gradient at once (cheaper than scaling each accumulated one),
+        # except under dynamic loss scaling, whose scale must stay a power of 2.
+        self._weights_in_loss = (
             api.scales_loss_in_step
             and self.reduction in ("auto", "samples")
             and not _keras.scales_loss_dynamically(optimizer)
-        ):
-            optimizer_patches.append(
-                InstancePatch(optimizer, "scale_loss", self._sample_weighting_scale_loss)
-            )
+        )
+        self._loss_patch = InstancePatch(optimizer, api.loss_method, self._seeing_loss)
+        optimizer_patches.append(self._loss_patch)
         # On while a step traces (or runs eagerly).
         self._optimizer_patches = SharedPatches(optimizer_patches)
         self._apply_patch = optimizer_patches[0]
-        self._scale_loss_patch = (
-            optimizer_patches[1] if len(optimizer_patches) > 1 else None
-        )
         # On while the hook is installed.
         self._train_step_patch = InstancePatch(model, "train_step", self._train_step)
         self._installation = ModelInstallation(
@@ -514,14 +516,17 @@ class AccumulationHook:
         self._micro_step(grads, variables, step)
 
     @tf.autograph.experimental.do_not_convert
-    def _sample_weighting_scale_loss(self, loss):
-        # Weighting the loss by the sample count weights every gradient at
-        # once: cheaper than scaling each accumulated gradient.
+    def _seeing_loss(self, loss, *args, **kwargs):
+        """The optimizer's `scale_loss` (Keras 3) or `minimize` (tf_keras), noting the loss."""
         step = self._local.step
         step.scales += 1
-        step.weighted_by_loss = True
-        loss = self._scale_loss_patch.original()(loss)
-        return loss * tf.cast(self._weight(step), loss.dtype)
+        if tf.is_tensor(loss):
+            step.loss = loss
+        result = self._loss_patch.original()(loss, *args, **kwargs)
+        if self._weights_in_loss:
+            step.weighted_by_loss = True
+            result = result * tf.cast(self._weight(step), result.dtype)
+        return result
 
     def _micro_step(self, grads, variables, step):
         window = self.window
@@ -556,8 +561,12 @@ class AccumulationHook:
         weighted = self.reduction in ("auto", "samples") and not step.weighted_by_loss
         counts = self.counts
 
+        self._loss_seen = self._loss_seen or step.loss is not None
+
         def add():
-            window.add(grads, variables, items if weighted else None)
+            window.add(
+                grads, variables, items if weighted else None, loss=step.loss, items=items
+            )
             for observer in self.observers:
                 observer.on_micro_step(micro)
             return counts.delta(
@@ -649,9 +658,11 @@ class AccumulationHook:
         )
 
     def _global_window(self):
-        """The open window's counts over all replicas (cross-replica context)."""
+        """The open window's counts (and loss sum) over all replicas, cross-replica."""
         vector = self.counts.variable.read_value()
-        return {name: vector[self.counts.names.index(name)] for name in WINDOW_COUNTS}
+        window = {name: vector[self.counts.names.index(name)] for name in WINDOW_COUNTS}
+        window["loss_sum"] = self.window.loss_sum.read_value()
+        return window
 
     def _apply_on_replicas(self, window, **extra_counts):
         self._strategy.extended.call_for_each_replica(
@@ -677,7 +688,9 @@ class AccumulationHook:
 
     def _local_window(self):
         counts = self.counts.read()
-        return {name: counts[name] for name in WINDOW_COUNTS}
+        window = {name: counts[name] for name in WINDOW_COUNTS}
+        window["loss_sum"] = self.window.loss_sum.read_value()
+        return window
 
     def _denominator(self, window):
         """What the window's sum is divided by, for `self.reduction`."""
@@ -699,7 +712,7 @@ class AccumulationHook:
         of all of them; the optimizer sums the replicas' gradients.
         """
         counts = self.counts.read()  # this replica's
-        local = {name: counts[name] for name in WINDOW_COUNTS}
+        local = self._local_window()
         window = local if window is None else window
         grads = self.window.gradients(self._denominator(window))
         variables = self.window.variables
@@ -713,12 +726,21 @@ class AccumulationHook:
             counts=counts,
             iterations=_keras.iterations(self._optimizer),
             mean_divisor=window["window_samples"] if self.reduction == "sum" else None,
+            loss=self._window_loss(window) if self._loss_seen else None,
             name_prefix=self.model.name + "/",
         )
         for observer in self.observers:
             observer.on_apply(update)
         self._reset(local, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
+
+    def _window_loss(self, window):
+        """The window's loss, weighted as its gradient (float64).
+
+        Keras divides each replica's loss by the number of replicas: undone.
+        """
+        items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
+        return window["loss_sum"] / items * self._replicas
 
     def _reset(self, local_window, **extra_counts):
         """Empties the window: accumulators, observers and this replica's window counts."""

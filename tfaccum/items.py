@@ -142,32 +142,27 @@ class LossCounting:
         container = self._compile_loss
         if container is None:
             return
-        _, entries = _keras.compiled_losses_of(container)
-        if entries:
-            self._wrap_entries(entries)
+        if _keras.compiled_losses_of(container):
+            self._wrap_losses()
             return
         build = container.build
 
         def build_then_wrap(*args, **kwargs):
             result = build(*args, **kwargs)
-            _, built = _keras.compiled_losses_of(container)
-            if built:
-                self._wrap_entries(built)
+            if _keras.compiled_losses_of(container):
+                self._wrap_losses()
             return result
 
         self._apply(InstancePatch(container, "build", build_then_wrap))
 
-    def _wrap_entries(self, entries):
-        wrapped = [
-            _keras.replace_compiled_loss(
-                entry,
-                _Counted(_keras.compiled_loss_fn(entry), _keras.compiled_loss_name(entry)),
-            )
-            for entry in entries
-        ]
-        self._apply(InstancePatch(self._compile_loss, _keras.COMPILED_LOSSES_ATTRIBUTE, wrapped))
-        for entry in entries:
-            loss = _keras.compiled_loss_fn(entry)
+    def _wrap_losses(self):
+        container = self._compile_loss
+        originals = _keras.compiled_losses_of(container)
+        attribute, wrapped = _keras.wrapped_losses_patch(
+            container, lambda name, loss: _Counted(loss, name)
+        )
+        self._apply(InstancePatch(container, attribute, wrapped))
+        for _, loss in originals:
             if hasattr(loss, "call"):
                 self._apply(InstancePatch(loss, "call", _capturing(loss)))
 

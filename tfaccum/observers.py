@@ -107,6 +107,8 @@ class Update:
         mean_divisor: What the applied gradient must be divided by to be the
             gradient of the mean loss over the window's samples (`reduction=
             "sum"`), or `None`.
+        loss: The window's loss (float64), its micro-batches' losses weighted
+            as their gradients: what the large batch's step reports.
         name_prefix: The model's name and "/", left off variable paths.
     """
 
@@ -117,6 +119,7 @@ class Update:
     counts: dict
     iterations: tf.Tensor
     mean_divisor: object = None
+    loss: object = None
     name_prefix: str = ""
 
     @property

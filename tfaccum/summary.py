@@ -23,7 +23,8 @@ from tfaccum.observers import WindowObserver
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
 _COLUMNS = ("step",) + _SERIES
 _PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
-_OPTIONAL = (metadata.TAG_PREFIX + "noise_scale",)
+# NaN where not defined at an update: not written.
+_OPTIONAL = (metadata.TAG_PREFIX + "noise_scale", metadata.TAG_PREFIX + "window_loss")
 
 
 class AccumulationSummaries(WindowObserver):
@@ -131,6 +132,8 @@ class AccumulationSummaries(WindowObserver):
                 tf.cast(micro_steps - updates, tf.float64),
                 tf.cast(counts["nonfinite_skips"], tf.float64),
                 tf.cast(noise_scale, tf.float64),
+                tf.cast(window["window_items"], tf.float64),
+                tf.cast(float("nan") if update.loss is None else update.loss, tf.float64),
             ]
         )
         # A full buffer sends the row to the spare row: never overwrite a

@@ -231,6 +231,15 @@ class AccumulationWindow:
         self.sparse_rows = sparse_rows
         self.counts = Counts(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
+        with tf.init_scope(), strategy.scope():
+            # The window's micro-batch losses, each times its weight (items).
+            self.loss_sum = tf.Variable(
+                tf.zeros((), tf.float64),
+                trainable=False,
+                name="window_loss_sum",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+            )
         # What the train step applies: its variables, and which of them get
         # a gradient. Fixed when the step is traced.
         self.variables = None
@@ -281,11 +290,19 @@ class AccumulationWindow:
     def uses_rows(self, variable):
         return isinstance(self._accumulators.get(id(variable)), _RowAccumulator)
 
-    def add(self, grads, variables, weight=None):
-        """Adds a micro-batch's gradients, each multiplied by `weight` if given."""
+    def add(self, grads, variables, weight=None, loss=None, items=None):
+        """Adds a micro-batch's gradients, each multiplied by `weight` if given.
+
+        `loss` (its mean loss, if known) is added times `items`, its weight
+        in the window, for the window's loss.
+        """
         for grad, variable in zip(grads, variables):
             if grad is not None:
                 self._accumulators[id(variable)].add(grad, weight)
+        if loss is not None:
+            self.loss_sum.assign_add(
+                tf.cast(loss, tf.float64) * tf.cast(items, tf.float64)
+            )
 
     def gradients(self, denominator=None):
         """The window's gradients for `self.variables`, divided by `denominator`.
@@ -313,6 +330,7 @@ class AccumulationWindow:
         """Empties the accumulators (the counts are the caller's to adjust)."""
         for accumulator in self._accumulators.values():
             accumulator.reset()
+        self.loss_sum.assign(tf.zeros_like(self.loss_sum))
 
     def nbytes(self):
         """Bytes the accumulators hold now (on this machine, for one replica)."""

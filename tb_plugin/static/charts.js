@@ -194,12 +194,15 @@ function updateAxis(axes, x, [x0, x1], m, W, H, yLabel) {
 }
 
 /**
- * The applied gradient norm of several runs, overlaid (one colour per run),
- * with leftover-event markers, optional micro-batch mean/max lines and a
- * hover read-out. `runs`: [{run, color, steps, applied, mean, max, events}].
+ * One per-update series of several runs, overlaid (one colour per run), with
+ * leftover-event markers, a hover read-out and, for the applied gradient
+ * norm, optional micro-batch mean/max lines. `runs`: [{run, color, steps,
+ * applied, mean, max, events, ...}]; `value` names the series drawn.
  * Returns a <div> holding the <svg> and its tooltip.
  */
-export function lineChart(runs, {showMicro = true} = {}) {
+export function lineChart(runs, {showMicro = true, value = 'applied', axis = 'gradient norm',
+  title = 'Applied gradient norm per optimizer update'} = {}) {
+  showMicro = showMicro && value === 'applied';
   const W = 900;
   const H = 320;
   const m = {left: 58, right: 18, top: 16, bottom: 42};
@@ -208,7 +211,7 @@ export function lineChart(runs, {showMicro = true} = {}) {
   for (const r of runs) {
     for (const step of r.steps) xs.push(step);
     for (const e of r.events) xs.push(e.step);
-    const lines = showMicro ? [r.applied, r.mean, r.max] : [r.applied];
+    const lines = showMicro ? [r[value], r.mean, r.max] : [r[value]];
     for (const line of lines) for (const v of line) if (finite(v)) ys.push(v);
   }
   let [x0, x1] = extent(xs) || [0, 1];
@@ -222,13 +225,13 @@ export function lineChart(runs, {showMicro = true} = {}) {
   const y = scale(y0, y1, H - m.bottom, m.top);
 
   const root = svg('svg', {viewBox: `0 0 ${W} ${H}`, class: 'line-chart', role: 'img',
-    'aria-label': 'Applied gradient norm per optimizer update'});
+    'aria-label': title, 'data-series': value});
   const axes = svg('g', {class: 'axes'});
   for (const t of ticks(y0, y1, 6)) {
     axes.append(svg('line', {class: 'grid', x1: m.left, x2: W - m.right, y1: y(t), y2: y(t)}));
     axes.append(text(formatNumber(t), {x: m.left - 6, y: y(t) + 4, 'text-anchor': 'end'}));
   }
-  updateAxis(axes, x, [x0, x1], m, W, H, 'gradient norm');
+  updateAxis(axes, x, [x0, x1], m, W, H, axis);
   root.append(axes);
 
   for (const r of runs) {
@@ -240,16 +243,21 @@ export function lineChart(runs, {showMicro = true} = {}) {
           'stroke-dasharray': dash, 'data-run': r.run}));
       }
     }
-    const {d, drawn} = linePath(r.steps, r.applied, x, y);
-    g.append(svg('path', {class: 'applied', d, stroke: r.color, 'data-run': r.run,
+    const {d, drawn} = linePath(r.steps, r[value], x, y);
+    g.append(svg('path', {class: value, d, stroke: r.color, 'data-run': r.run,
       'data-points': drawn}));
 
-    g.append(nonFiniteMarkers('nonfinite', r, r.applied, 'applied gradient norm', x,
+    const main = value === 'applied';
+    g.append(nonFiniteMarkers(main ? 'nonfinite' : `${value}-nonfinite`, r, r[value], axis, x,
       m.top + 7, H - m.bottom - 7));
+    if (!main) {
+      root.append(g);
+      continue; // leftover markers belong to the gradient-norm chart
+    }
 
     const marks = svg('g', {class: 'events', 'data-run': r.run, 'data-markers': r.events.length});
     for (const e of r.events) {
-      const v = valueAt(r.steps, r.applied, e.step);
+      const v = valueAt(r.steps, r[value], e.step);
       const cy = finite(v) ? y(v) : H - m.bottom; // on the line, else on the x axis
       marks.append(policyMarker(e.policy, x(e.step), cy,
         `${r.run}\nupdate ${e.step}: ${e.policy} of a partial window ` +
@@ -260,7 +268,7 @@ export function lineChart(runs, {showMicro = true} = {}) {
   }
 
   return withHover(root, runs, x, m, W, H, (r, i) => {
-    let label = `${r.run} · update ${r.steps[i]}: ${formatNumber(r.applied[i])}`;
+    let label = `${r.run} · update ${r.steps[i]}: ${formatNumber(r[value][i])}`;
     if (showMicro) label += ` (mean ${formatNumber(r.mean[i])}, max ${formatNumber(r.max[i])})`;
     return label;
   });
@@ -329,7 +337,7 @@ function logTicks(lo, hi) {
 /**
  * The gradient noise scale B_simple (solid) and the effective batch size B
  * (dashed) of several runs on one log-scale axis, one colour per run.
- * `runs`: [{run, color, steps, noise, samples}]. Null, non-finite and
+ * `runs`: [{run, color, steps, noise, batch}]. Null, non-finite and
  * non-positive values leave gaps (a log axis has no place for them);
  * non-finite noise-scale values get a marker, as on the gradient-norm chart.
  */
@@ -343,7 +351,7 @@ export function batchSizeChart(runs) {
   const ys = [];
   for (const r of runs) {
     for (const step of r.steps) xs.push(step);
-    for (const line of [r.noise, r.samples]) for (const v of line) if (positive(v)) ys.push(v);
+    for (const line of [r.noise, r.batch]) for (const v of line) if (positive(v)) ys.push(v);
   }
   let [x0, x1] = extent(xs) || [0, 1];
   if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
@@ -364,12 +372,12 @@ export function batchSizeChart(runs) {
     axes.append(svg('line', {class: 'grid', x1: m.left, x2: W - m.right, y1: ty, y2: ty}));
     axes.append(text(formatNumber(t), {x: m.left - 6, y: ty + 4, 'text-anchor': 'end'}));
   }
-  updateAxis(axes, x, [x0, x1], m, W, H, 'samples (log scale)');
+  updateAxis(axes, x, [x0, x1], m, W, H, 'samples or items (log scale)');
   root.append(axes);
 
   for (const r of runs) {
     const g = svg('g', {class: 'run', 'data-run': r.run});
-    const batch = linePath(r.steps, log(r.samples), x, y);
+    const batch = linePath(r.steps, log(r.batch), x, y);
     g.append(svg('path', {class: 'effective-batch', d: batch.d, stroke: r.color,
       'stroke-dasharray': EFFECTIVE_BATCH_DASH, 'data-run': r.run, 'data-points': batch.drawn}));
     const noise = linePath(r.steps, log(r.noise), x, y);
@@ -381,7 +389,7 @@ export function batchSizeChart(runs) {
   }
   return withHover(root, runs, x, m, W, H, (r, i) =>
     `${r.run} · update ${r.steps[i]}: B_simple ${formatNumber(r.noise[i])}, ` +
-    `effective batch ${formatNumber(r.samples[i])}`);
+    `effective batch ${formatNumber(r.batch[i])}`);
 }
 
 function mix(a, b, t) {

@@ -127,6 +127,15 @@ export async function render() {
     sections.heat = section;
   }
 
+  function lossCard() {
+    const lines = state.data
+      .filter((d) => d.loss.some((v) => v !== null))
+      .map((d) => ({...d, color: colorOf(d.run)}));
+    if (!lines.length) return document.createComment('no window loss recorded');
+    return views.lossSection(lineChart(lines, {value: 'loss', axis: 'window loss',
+      title: 'Window loss per optimizer update'}));
+  }
+
   function advisor() {
     const lines = state.data.map((d) => ({...d, color: colorOf(d.run)}));
     const rows = lines.map((d) => ({run: d.run, color: d.color, advice: model.batchAdvice(d, state.vocabulary)}));
@@ -140,7 +149,7 @@ export async function render() {
     sections.heat = document.createElement('section');
     const counters = views.countersTable(
       state.data.map((d) => ({run: d.run, color: colorOf(d.run), counters: d.counters})));
-    ui.content.replaceChildren(sections.norms, advisor(), sections.heat, counters);
+    ui.content.replaceChildren(sections.norms, lossCard(), advisor(), sections.heat, counters);
     drawNorms();
     drawHeat();
   }

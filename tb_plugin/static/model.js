@@ -54,6 +54,10 @@ function normalize(run, series, events) {
     max: column('micro_norm_max'),
     noise: column('noise_scale'),
     samples: column('window_samples'),
+    loss: column('window_loss'),
+    // The effective batch in the unit windows are weighted by: the items
+    // (tokens) a masked loss averages over, else samples (older runs).
+    batch: effectiveBatch(column('window_items'), column('window_samples')),
     microBatches: column('window_micro_batches'),
     heat: {
       variables: heat.variables,
@@ -67,6 +71,10 @@ function normalize(run, series, events) {
 
 const usable = (v) => Number.isFinite(v) && v > 0;
 
+function effectiveBatch(items, samples) {
+  return items.some(usable) ? items : samples;
+}
+
 /**
  * Batch-size advice for one run (a fetchRun result), from the gradient noise
  * scale B_simple of McCandlish et al. (2018). Training to a given loss takes
@@ -75,7 +83,8 @@ const usable = (v) => Number.isFinite(v) && v > 0;
  * wastes updates.
  *
  * B_simple: the run's last defined estimate (null entries, and NaN, ±Infinity
- * or non-positive ones, are passed over). B: the effective batch (window_samples)
+ * or non-positive ones, are passed over). B: the effective batch (window_items,
+ * or window_samples where the run has none)
  * of the run's last update, leaving out an update that flushed a partial window
  * at an epoch's or fit's end (unless every update did): its window is shorter
  * than the run's accumulation_steps says. The micro-batch size is that window's
@@ -87,7 +96,7 @@ const usable = (v) => Number.isFinite(v) && v > 0;
  * (null when unknown), noiseScale, batch, microBatch, accumulation, step,
  * lastStep} (numbers or null).
  */
-export function batchAdvice({steps, noise, samples, microBatches, events}, {advice_band: band}) {
+export function batchAdvice({steps, noise, batch: samples, microBatches, events}, {advice_band: band}) {
   let noiseScale = null;
   for (let i = noise.length - 1; i >= 0; i -= 1) {
     if (usable(noise[i])) {

@@ -33,6 +33,7 @@ const STYLE = `
   svg .axis, svg .tick { stroke: #9e9e9e; }
   svg .grid { stroke: #eeeeee; }
   svg .applied { fill: none; stroke-width: 2; stroke-linejoin: round; stroke-linecap: round; }
+  svg .loss { fill: none; stroke-width: 2; stroke-linejoin: round; stroke-linecap: round; }
   svg .micro { fill: none; stroke-width: 1.3; opacity: 0.45; stroke-linecap: round; }
   svg .noise-scale { fill: none; stroke-width: 2.2; stroke-linejoin: round; stroke-linecap: round; }
   svg .effective-batch { fill: none; stroke-width: 1.5; opacity: 0.8; stroke-linecap: round; }
@@ -176,7 +177,7 @@ export function adviceText(a) {
     return [verdict, `B_simple ≈ ${n}, but no update logged its effective batch.`];
   }
   const ratio = formatNumber(Number((a.batch / a.noiseScale).toPrecision(2)));
-  let out = `The effective batch B = ${formatNumber(a.batch)} samples per update ` +
+  let out = `The effective batch B = ${formatNumber(a.batch)} per update ` +
     `(${formatNumber(a.accumulation)} micro-batches of ${formatNumber(a.microBatch)}) ` +
     `is ${ratio}× B_simple ≈ ${n}. `;
   const k = a.suggestedSteps;
@@ -203,6 +204,19 @@ export function adviceText(a) {
 }
 
 /**
+ * The window-loss card: the loss each update's window reports, weighted as
+ * its gradient, which is the loss the large batch would have shown.
+ */
+export function lossSection(chart) {
+  return card('Window loss per optimizer update',
+    el('p', {className: 'intro'},
+      'The loss of each applied window, its micro-batches weighted as their gradients ' +
+      '(by samples, or by unmasked tokens): the loss a run at the large batch reports, ' +
+      'update for update. The progress bar shows micro-batch losses instead.'),
+    chart);
+}
+
+/**
  * The batch-size advisor card: the chart, its legend and one hint per run.
  * rows: [{run, color, advice}] with advice from model.batchAdvice(). Each hint
  * carries data-hint-run, data-advice ("less", "more", "good" or "unknown"),
@@ -215,11 +229,12 @@ export function advisorSection(chart, rows, {nonFinite = false} = {}) {
       '“An Empirical Model of Large-Batch Training”'),
     ', estimates the critical batch size: at batch size B, training takes about ' +
     'S = S_min (1 + B_noise/B) updates and E = E_min (1 + B/B_noise) examples. ' +
-    'The effective batch B is the samples per optimizer update (micro-batch × ' +
-    'accumulation_steps).');
+    'The effective batch B is what one optimizer update averages over (micro-batch × ' +
+    'accumulation_steps): its samples, or its unmasked tokens where a mask or ' +
+    'ignore_class reaches the loss; B_simple is then in tokens too.');
   const legend = el('div', {className: 'legend'},
     el('span', {}, legendIcon('noise-scale'), 'gradient noise scale B_simple'),
-    el('span', {}, legendIcon('effective-batch'), 'effective batch B (samples per update)'),
+    el('span', {}, legendIcon('effective-batch'), 'effective batch B (samples or tokens per update)'),
     nonFinite ? el('span', {}, legendIcon('nonfinite'), 'non-finite B_simple') : null);
   const hints = rows.map(({run, color, advice}) => {
     const [verdict, details] = adviceText(advice);
