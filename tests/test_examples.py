@@ -26,12 +26,18 @@ def test_quickstart_matches_the_large_batch():
 
 def test_exactness_benchmark_table():
     out = run("benchmarks/exactness.py", "--epochs", "1")
-    rows = [line.split("|")[1:-1] for line in out.splitlines()
-            if line.startswith("| ") and "optimizer" not in line]
-    assert len(rows) == 5
-    for name, ours, builtin, plain in rows:
+    tables = [[line.split("|")[1:-1] for line in block.splitlines()[1:] if line.startswith("| ")]
+              for block in out.split("\n\n") if block.startswith("| ")]
+    dense, sequences = tables
+    assert len(dense) == 5
+    for name, ours, builtin, plain in dense:
         assert float(ours) < 1e-5, name
         assert float(plain) > 1e-3, name
+    assert len(sequences) == 3
+    for name, tokens, samples, builtin, plain in sequences:
+        assert float(tokens) < 1e-5, name
+        if "sample_weight" not in name:  # masks: samples are not the large batch
+            assert float(samples) > 1e-3 and float(builtin) > 1e-3, name
 
 
 def test_throughput_benchmark_table():
