@@ -17,6 +17,7 @@ Variants:
   tfaccum      batch B, GradientAccumulationCallback(accumulation_steps=N)
                (defaults: the noise scale is estimated)
   tfaccum-no-noise  the same with noise_scale=False
+  tfaccum-samples  the same with reduction="samples" (no item counting)
   tfaccum+log_dir  the defaults, writing Accumulation summaries to a temporary dir
   keras        batch B, optimizer(gradient_accumulation_steps=N)
   keras-again  the same again (the noise floor)
@@ -45,22 +46,31 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
+MODELS = {"cnn": "CNN 32x32", "seq": "masked GRU tagger, 4..32 tokens"}
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
-VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "keras-again",
-            "micro", "large")
+VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum-samples", "tfaccum+log_dir", "keras",
+            "keras-again", "micro", "large")
 # (variant, baseline) ratios the report states, with their spread.
 RATIOS = (
     ("keras-again", "keras", "noise floor: Keras accumulation vs itself"),
     ("tfaccum", "keras", "tfaccum vs Keras accumulation"),
     ("tfaccum-no-noise", "keras", "tfaccum without noise scale vs Keras accumulation"),
     ("tfaccum", "tfaccum-no-noise", "noise scale cost"),
+    ("tfaccum-no-noise", "tfaccum-samples", "item counting cost (auto vs samples)"),
     ("tfaccum+log_dir", "tfaccum", "log_dir cost"),
     ("tfaccum", "micro", "tfaccum vs plain micro-batch"),
     ("large", "micro", "large batch vs plain micro-batch"),
 )
 
 
-def load_data(samples):
+def load_data(samples, model="mlp"):
+    if model == "seq":
+        # Padded sequences of 4..32 tokens, a per-token label each.
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(4, 33, samples)
+        tokens = rng.integers(1, 1000, (samples, 32))
+        tokens[np.arange(32)[None, :] >= lengths[:, None]] = 0
+        return tokens, rng.integers(0, 10, (samples, 32))
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -72,7 +82,13 @@ def load_data(samples):
 
 def build(variant, args):
     keras.utils.set_random_seed(0)
-    if args.model == "cnn":
+    if args.model == "seq":
+        layers = [
+            keras.Input((32,), dtype="int32"),
+            keras.layers.Embedding(1000, 64, mask_zero=True),
+            keras.layers.GRU(64, return_sequences=True),
+        ]
+    elif args.model == "cnn":
         layers = [
             keras.Input((64,)),
             keras.layers.Reshape((8, 8, 1)),
@@ -91,14 +107,15 @@ def build(variant, args):
     keras_accumulates = variant.startswith("keras")
     extra = {"gradient_accumulation_steps": args.steps} if keras_accumulates else {}
     model.compile(optimizer=keras.optimizers.Adam(1e-3, **extra),
-                  loss="sparse_categorical_crossentropy")
+                  loss="sparse_categorical_crossentropy")  # masked for "seq"
     batch_size = args.micro_batch * (args.steps if variant == "large" else 1)
     callbacks = []
     if variant.startswith("tfaccum"):
         log_dir = tempfile.mkdtemp(prefix="tfaccum-bench-") if "log_dir" in variant else None
         callbacks.append(GradientAccumulationCallback(
             accumulation_steps=args.steps, log_dir=log_dir,
-            noise_scale=False if variant == "tfaccum-no-noise" else None))
+            reduction="samples" if variant == "tfaccum-samples" else "auto",
+            noise_scale=False if variant in ("tfaccum-no-noise", "tfaccum-samples") else None))
     return model, batch_size, callbacks
 
 
@@ -180,9 +197,10 @@ def measure_memory_of(variant, args, x, y):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+    parser.add_argument("--model", choices=("mlp", "cnn", "seq"), default="mlp",
                         help="mlp: 0.3M weights, tiny steps (the worst case for "
-                        "per-step overhead); cnn: small conv net on 32x32 images")
+                        "per-step overhead); cnn: small conv net on 32x32 images; "
+                        "seq: masked embedding + GRU tagger on padded sequences")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--samples", type=int, default=1024)
@@ -203,7 +221,7 @@ def main():
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    x, y = load_data(args.samples)
+    x, y = load_data(args.samples, args.model)
     if args.memory_of:
         measure_memory_of(args.memory_of, args, x, y)
         return
@@ -211,7 +229,7 @@ def main():
     device = "GPU" if tf.config.list_physical_devices("GPU") else f"CPU ({os.cpu_count()} cores)"
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {device}; "
           f"{args.samples} samples, "
-          f"{'CNN 32x32' if args.model == 'cnn' else f'MLP 64-{args.width}x{args.depth}-10'}, "
+          f"{MODELS.get(args.model) or f'MLP 64-{args.width}x{args.depth}-10'}, "
           f"micro-batch {args.micro_batch}, accumulation_steps {args.steps}, "
           f"{args.rounds} alternating rounds; {args.clock} time, "
           f"{args.threads or 'default'} TensorFlow thread(s)")

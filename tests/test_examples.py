@@ -47,7 +47,7 @@ def test_throughput_benchmark_table():
               for block in out.split("\n\n") if block.startswith("| ")]
     epochs, ratios = tables
     assert [row[0].strip() for row in epochs[1:]] == [
-        "tfaccum", "tfaccum-no-noise", "tfaccum+log_dir", "keras", "keras-again", "micro", "large"]
+        "tfaccum", "tfaccum-no-noise", "tfaccum-samples", "tfaccum+log_dir", "keras", "keras-again", "micro", "large"]
     names = [row[0].strip() for row in ratios[1:]]
     assert names[0].startswith("noise floor") and "noise scale cost" in names
     for name, median, p10_p90, low_high, verdict in ratios[1:]:
