@@ -277,3 +277,25 @@ def test_the_window_loss_is_the_large_batch_loss(tmp_path):
     tokens_per_window = [int((~padding[s:s + 16]).sum()) for s in range(0, N, 16)]
     assert values(series, "window_items") == tokens_per_window
     assert values(series, "window_samples") == [16, 16, 16, 2]
+
+
+def test_mask_with_class_weight():
+    """A masked sequence classifier (the mask stops at the LSTM) with class_weight."""
+    tokens, labels, _, _ = sequences()
+    classes = labels[:, 0]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((T,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+            keras.layers.LSTM(8),
+            keras.layers.Dense(CLASSES),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    class_weight = {c: 0.5 + c for c in range(CLASSES)}
+    results = compare(build, tokens, classes, class_weight=class_weight)
+    assert results["auto"] < TOL
