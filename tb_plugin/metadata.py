@@ -9,6 +9,7 @@ policies and the batch-size advisor's rule. Python defines them here, the
 
 import math
 
+from google.protobuf import message
 from tensorboard.compat.proto import summary_pb2
 
 from tb_plugin import accumulation_pb2
@@ -131,8 +132,14 @@ def parse_plugin_metadata(content):
 
     Args:
         content: The `bytes` of `SummaryMetadata.plugin_data.content`.
+
+    Raises:
+        ValueError: if `content` is not an `AccumulationPluginData` proto.
     """
-    data = PluginData.FromString(content)
+    try:
+        data = PluginData.FromString(content)
+    except message.DecodeError as error:
+        raise ValueError(f"its plugin metadata cannot be decoded ({error})") from None
     if data.version > PROTO_VERSION:
         return None
     return data

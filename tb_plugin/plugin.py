@@ -7,6 +7,7 @@ through `context.data_provider` only (see `http_api.md`).
 import importlib.resources
 import json
 import math
+import numbers
 
 from tensorboard import context
 from tensorboard import errors
@@ -42,7 +43,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "/events": self._serve_events}
         for name in _STATIC:
             apps["/" + name] = self._serve_static
-        return apps
+        return {path: _read_only(app) for path, app in apps.items()}
 
     def is_active(self):
         return False  # TensorBoard asks the data provider which plugins have data
@@ -56,11 +57,10 @@ class AccumulationPlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_static(self, request):
-        name = request.path.rsplit("/", 1)[-1]
-        try:
-            body = importlib.resources.files("tb_plugin").joinpath("static", name).read_bytes()
-        except FileNotFoundError:
-            raise errors.NotFoundError(f"No file {name!r} in tb_plugin/static") from None
+        name = request.path.rsplit("/", 1)[-1]  # TensorBoard routes "index.js/" here too
+        if name not in _STATIC:
+            raise errors.NotFoundError(f"No file {request.path!r} in tb_plugin/static")
+        body = importlib.resources.files("tb_plugin").joinpath("static", name).read_bytes()
         return http_util.Respond(request, body, "text/javascript")
 
     @wrappers.Request.application
@@ -85,38 +85,93 @@ class AccumulationPlugin(base_plugin.TBPlugin):
     # -- plain functions ------------------------------------------------------------
 
     def _list(self, ctx, experiment, run=None):
-        """{run: {tag: (PluginData, ScalarTimeSeries)}} for readable series."""
+        """Readable series and problems: `({run: {tag: (data, series)}}, {run: [...]})`.
+
+        A tag whose plugin metadata cannot be read is left out and reported
+        for its run; every other tag and run is still served.
+        """
         run_filter = None if run is None else provider.RunTagFilter(runs=[run])
         listing = self._data_provider.list_scalars(
             ctx, experiment_id=experiment, plugin_name=self.plugin_name,
             run_tag_filter=run_filter,
         )
-        result = {}
+        result, problems = {}, {}
         for run_name, tags in listing.items():
+            readable = result.setdefault(run_name, {})
+            reported = problems.setdefault(run_name, [])
             for tag, series in tags.items():
-                data = metadata.parse_plugin_metadata(series.plugin_content)
-                if data is not None:
-                    result.setdefault(run_name, {})[tag] = (data, series)
+                try:
+                    data = metadata.parse_plugin_metadata(series.plugin_content)
+                except ValueError as error:
+                    reported.append(_problem(tag, f"{tag}: {error}; skipped"))
+                    continue
+                if data is None:
+                    reported.append(_problem(
+                        tag, f"{tag}: written by a newer tfaccum (plugin data version "
+                        f"> {metadata.PROTO_VERSION}); upgrade tfaccum to read it; skipped"))
+                    continue
+                readable[tag] = (data, series)
+        return result, problems
+
+    def _guarded(self, read, run, tags, problems):
+        """`read(tags)[run]`, tag by tag where the whole read fails.
+
+        TensorBoard's Python loader raises for the whole request when one tag
+        holds a tensor it cannot turn into a scalar (a vector, a string); such
+        a tag is reported and left out.
+        """
+        if not tags:
+            return {}
+        try:
+            return read(tags).get(run, {})
+        except Exception:  # noqa: BLE001 - event files can hold anything
+            pass
+        result = {}
+        for tag in tags:
+            try:
+                result.update(read([tag]).get(run, {}))
+            except Exception as error:  # noqa: BLE001
+                problems.append(_problem(
+                    tag, f"{tag}: not a scalar series ({type(error).__name__}: {error}); skipped"))
         return result
 
-    def _read(self, ctx, experiment, run, tags, downsample):
-        data = self._data_provider.read_scalars(
-            ctx, experiment_id=experiment, plugin_name=self.plugin_name,
-            downsample=downsample,
-            run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(tags)),
-        )
-        return data.get(run, {})
+    def _read(self, ctx, experiment, run, tags, downsample, problems):
+        """`{tag: [(step, value)]}` of real-valued points; the rest reported."""
+        def read(some):
+            return self._data_provider.read_scalars(
+                ctx, experiment_id=experiment, plugin_name=self.plugin_name,
+                downsample=downsample,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(some)),
+            )
+        data = self._guarded(read, run, list(tags), problems)
+        return {tag: _real_points(tag, datums, problems) for tag, datums in data.items()}
+
+    def _read_last(self, ctx, experiment, run, tags, problems):
+        """`{tag: (step, value)}`: the last point of each tag, if it is a real number."""
+        def read(some):
+            return self._data_provider.read_last_scalars(
+                ctx, experiment_id=experiment, plugin_name=self.plugin_name,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(some)),
+            )
+        data = self._guarded(read, run, list(tags), problems)
+        result = {}
+        for tag, datum in data.items():
+            points = _real_points(tag, [datum], problems)
+            if points:
+                result[tag] = points[0]
+        return result
 
     def _run_tags(self, ctx, experiment, run):
-        tags = self._list(ctx, experiment, run).get(run)
-        if not tags:
+        listing, problems = self._list(ctx, experiment, run)
+        if run not in listing:
             raise errors.NotFoundError(f"No accumulation data for run {run!r}")
-        return tags
+        return listing[run], list(problems.get(run, []))
 
     def runs_impl(self, ctx, experiment):
-        """Runs with accumulation data, sorted by name."""
+        """Runs with accumulation data (or problems reading it), sorted by name."""
+        listing, problems = self._list(ctx, experiment)
         runs = []
-        for run, tags in sorted(self._list(ctx, experiment).items()):
+        for run, tags in sorted(listing.items()):
             applied = tags.get(_APPLIED)
             runs.append({
                 "run": run,
@@ -125,33 +180,35 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                     1 for data, _ in tags.values()
                     if data.kind == metadata.Kind.ACCUMULATOR_NORM
                 ),
+                "problems": problems[run],
             })
         return {"runs": runs, "vocabulary": metadata.VOCABULARY}
 
     def series_impl(self, ctx, experiment, run, points=DEFAULT_POINTS,
                     columns=DEFAULT_COLUMNS):
         """Per-update series of one run, downsampled for drawing."""
-        tags = self._run_tags(ctx, experiment, run)
+        tags, problems = self._run_tags(ctx, experiment, run)
         update_tags = [metadata.TAG_PREFIX + name for name, _ in metadata.UPDATE_SERIES]
         # Read a bounded sample of what TensorBoard keeps, then pick the
         # extremes of it: long runs stay fast, spikes stay visible. Series
         # written together have the same steps, so the provider's
         # deterministic sampling keeps them aligned.
         read = min(self._downsample_to, READ_FACTOR * points)
-        data = self._read(ctx, experiment, run, [t for t in update_tags if t in tags], read)
+        data = self._read(ctx, experiment, run, [t for t in update_tags if t in tags], read,
+                          problems)
         applied = data.get(_APPLIED, [])
-        keep = downsample_min_max([d.value for d in applied], points)
-        steps = [applied[i].step for i in keep]
+        keep = downsample_min_max([value for _, value in applied], points)
+        steps = [applied[i][0] for i in keep]
         series = {}
         for name, _ in metadata.UPDATE_SERIES:
-            by_step = {d.step: d.value for d in data.get(metadata.TAG_PREFIX + name, [])}
+            by_step = dict(data.get(metadata.TAG_PREFIX + name, []))
             series[name] = [_finite_or_text(by_step.get(step)) for step in steps]
         variables = sorted(
             (d.variable, tag) for tag, (d, _) in tags.items()
             if d.kind == metadata.Kind.ACCUMULATOR_NORM
         )
         norms = self._read(ctx, experiment, run, [tag for _, tag in variables],
-                           min(self._downsample_to, READ_FACTOR * columns))
+                           min(self._downsample_to, READ_FACTOR * columns), problems)
         heat = heat_map([norms.get(tag, []) for _, tag in variables], columns)
         return {
             "run": run,
@@ -163,48 +220,94 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "columns": heat["columns"],
                 "values": heat["values"],
             },
+            "problems": problems,
         }
 
     def events_impl(self, ctx, experiment, run):
         """Leftover events and the latest counters of one run."""
-        tags = self._run_tags(ctx, experiment, run)
+        tags, problems = self._run_tags(ctx, experiment, run)
         names = [metadata.TAG_PREFIX + name for name, _ in metadata.LEFTOVER_SERIES]
-        data = self._read(ctx, experiment, run, [t for t in names if t in tags], _ALL)
-        columns = [{d.step: d.value for d in data.get(tag, [])} for tag in names]
+        data = self._read(ctx, experiment, run, [t for t in names if t in tags], _ALL, problems)
+        policies, micro_batches, samples = (dict(data.get(tag, [])) for tag in names)
         events = []
-        for step in sorted(columns[0]):
-            policy, micro_batches, samples = (int(c.get(step, 0)) for c in columns)
+        for step, value in sorted(policies.items()):
+            policy = _policy(value)
+            if policy is None:
+                problems.append(_problem(names[0], (
+                    f"{names[0]}: step {step}: leftover policy {value!r} is not one of "
+                    + ", ".join(f"{i} ({p})" for i, p in enumerate(metadata.LEFTOVER_POLICIES))
+                    + "; event skipped")))
+                continue
             events.append({
                 "step": step,
-                "policy": metadata.LEFTOVER_POLICIES[policy],
-                "micro_batches": micro_batches,
-                "samples": samples,
+                "policy": policy,
+                "micro_batches": _count(names[1], step, micro_batches.get(step, 0), problems),
+                "samples": _count(names[2], step, samples.get(step, 0), problems),
             })
-        last = self._data_provider.read_last_scalars(
-            ctx, experiment_id=experiment, plugin_name=self.plugin_name,
-            run_tag_filter=provider.RunTagFilter(runs=[run]),
-        ).get(run, {})
+        counter_names = ("micro_steps", "skipped_updates", "nonfinite_skips")
+        last = self._read_last(
+            ctx, experiment, run,
+            [t for t in [_APPLIED] + [metadata.TAG_PREFIX + n for n in counter_names] if t in tags],
+            problems)
 
         def last_value(name):
-            datum = last.get(metadata.TAG_PREFIX + name)
-            return None if datum is None else int(datum.value)
+            tag = metadata.TAG_PREFIX + name
+            return _count(tag, last[tag][0], last[tag][1], problems) if tag in last else None
 
         applied = last.get(_APPLIED)
         return {
             "run": run,
             "events": events,
             "counters": {
-                "optimizer_steps": None if applied is None else applied.step,
-                "micro_steps": last_value("micro_steps"),
-                "skipped_updates": last_value("skipped_updates"),
-                "nonfinite_skips": last_value("nonfinite_skips"),
+                "optimizer_steps": None if applied is None else applied[0],
+                **{name: last_value(name) for name in counter_names},
                 "flushes": sum(e["policy"] == "flush" for e in events),
                 "carries": sum(e["policy"] == "carry" for e in events),
                 "dropped_micro_steps": sum(
-                    e["micro_batches"] for e in events if e["policy"] == "drop"
+                    e["micro_batches"] or 0 for e in events if e["policy"] == "drop"
                 ),
             },
+            "problems": problems,
         }
+
+
+# -- reading hostile values --------------------------------------------------------
+
+
+def _problem(tag, reason):
+    return {"tag": tag, "reason": reason}
+
+
+def _real_points(tag, datums, problems):
+    """`[(step, float)]` of the datums whose value is a real number; the rest reported."""
+    points, rejected = [], []
+    for datum in datums:
+        value = datum.value
+        if isinstance(value, numbers.Real):
+            points.append((datum.step, float(value)))
+        else:
+            rejected.append(value)
+    if rejected:
+        problems.append(_problem(tag, (
+            f"{tag}: {len(rejected)} value(s) are not real numbers "
+            f"(e.g. a {type(rejected[0]).__name__}); skipped")))
+    return points
+
+
+def _policy(value):
+    """The policy a leftover event stores as its index, or `None` if it is none."""
+    if math.isfinite(value) and value == int(value) and 0 <= value < len(metadata.LEFTOVER_POLICIES):
+        return metadata.LEFTOVER_POLICIES[int(value)]
+    return None
+
+
+def _count(tag, step, value, problems):
+    """A counter as an `int`; `None` (reported) if it is not finite."""
+    if math.isfinite(value):
+        return int(value)
+    problems.append(_problem(tag, f"{tag}: step {step}: {_finite_or_text(value)} is not a "
+                                  "count; reported as null"))
+    return None
 
 
 # -- downsampling ------------------------------------------------------------------
@@ -238,10 +341,12 @@ def downsample_min_max(values, points):
 def heat_map(series, columns):
     """Per-series maxima over `columns` equal ranges of steps.
 
+    Each series is a list of `(step, value)` points.
+
     Returns `{"columns": [[first_step, last_step], ...], "values": [[...]]}`,
     one row per series, `None` where a range holds no point of it.
     """
-    all_steps = sorted({d.step for s in series for d in s})
+    all_steps = sorted({step for s in series for step, _ in s})
     if not all_steps:
         return {"columns": [], "values": [[] for _ in series]}
     first, last = all_steps[0], all_steps[-1]
@@ -252,9 +357,8 @@ def heat_map(series, columns):
     rows = []
     for s in series:
         row = [None] * count
-        for d in s:
-            c = min(count - 1, int((d.step - first) / width))
-            value = d.value
+        for step, value in s:
+            c = min(count - 1, int((step - first) / width))
             if not math.isfinite(value):
                 row[c] = _finite_or_text(value)
             elif row[c] is None or (isinstance(row[c], float) and value > row[c]):
@@ -264,6 +368,22 @@ def heat_map(series, columns):
 
 
 # -- HTTP helpers ------------------------------------------------------------------
+
+
+def _read_only(app):
+    """`app` for GET and HEAD; every other method is answered 405."""
+
+    def guarded(environ, start_response):
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method in ("GET", "HEAD"):
+            return app(environ, start_response)
+        response = wrappers.Response(
+            f"Method {method} not allowed: the Accumulation plugin's routes are read-only "
+            "(GET, HEAD).\n", status=405, headers={"Allow": "GET, HEAD"},
+            content_type="text/plain; charset=utf-8")
+        return response(environ, start_response)
+
+    return guarded
 
 
 def _context(request):

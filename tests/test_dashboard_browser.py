@@ -444,3 +444,50 @@ def test_empty_state_without_accumulation_runs(browser, tmp_path):
         page.close()
     finally:
         server.stop()
+
+
+def test_a_hostile_run_is_reported_and_the_good_one_drawn(browser, runs, tmp_path):
+    """Undecodable metadata and impossible values in one run; a failing route for another."""
+    from test_plugin_hostile import GARBAGE_META
+    from test_plugin_hostile import accumulation_meta
+    from test_plugin_hostile import write
+
+    good_root, counters = runs
+    root = tmp_path
+    shutil.copytree(good_root / "run-flush", root / "good")
+    applied = metadata.TAG_PREFIX + "applied_gradient_norm"
+    write(root / "hostile", applied, [tf.constant(1.0)] * 3,
+          accumulation_meta(metadata.Kind.APPLIED_GRADIENT_NORM))
+    write(root / "hostile", metadata.TAG_PREFIX + "micro_norm_max", [tf.constant(1.0)] * 3,
+          GARBAGE_META)
+    write(root / "hostile", metadata.TAG_PREFIX + "leftover/policy", [tf.constant(7.0)],
+          accumulation_meta(metadata.Kind.LEFTOVER_POLICY))
+    server = TensorBoard(root)
+    try:
+        server.wait_started()
+        server.wait_for(lambda tb: len(tb.get_json(API + "runs")["runs"]) == 2, "both runs")
+        page = open_page(browser, server.url + ENTRY)
+        page.wait_for_function(READY)
+        seen = page.evaluate(READ_DASHBOARD)
+        assert seen["status"] == ""
+        assert seen["lines"] == {"good": counters["run-flush"]["optimizer_steps"], "hostile": 3}
+        reported = page.locator('[data-problem-run="hostile"] [data-problem]').all_text_contents()
+        assert any("cannot be decoded" in r and "micro_norm_max" in r for r in reported)
+        assert any("leftover policy 7.0" in r for r in reported)
+        assert page.locator('[data-problem-run="good"]').count() == 0
+
+        # A run whose data cannot be fetched at all is reported; the other still draws.
+        page.route(re.compile(re.escape(API + "series?run=hostile")),
+                   lambda route: route.fulfill(status=500, body="boom"))
+        page.get_by_role("button", name="Reload").click()
+        page.wait_for_selector('[data-problem-run="hostile"]:has-text("500 boom")')
+        page.wait_for_function(f"{READY} && {IDLE}")
+        seen = page.evaluate(READ_DASHBOARD)
+        assert seen["status"] == ""
+        assert list(seen["lines"]) == ["good"]
+        assert "500 boom" in page.locator('[data-problem-run="hostile"]').text_content()
+        assert page.errors == [] and page.dialogs == []
+        page.unroute_all(behavior="ignoreErrors")
+        page.close()
+    finally:
+        server.stop()

@@ -73,7 +73,8 @@ def test_runs(logdir):
     assert body["vocabulary"]["leftover_policies"] == ["flush", "carry", "drop"]
     runs = body["runs"]
     assert [r["run"] for r in runs] == ["dropping", "flushing", "nonfinite"]
-    assert runs[1] == {"run": "flushing", "updates": 12, "variables": 4}
+    assert runs[1] == {"run": "flushing", "updates": 12, "variables": 4,
+                       "problems": []}
     assert runs[0]["updates"] == 9  # 3 updates per epoch, partial windows dropped
 
 

@@ -9,7 +9,7 @@ const PALETTE = ['#1a73e8', '#e8710a', '#12b5cb', '#9334e6', '#7cb342', '#795548
 
 export async function render() {
   const state = {
-    runs: [], // [{run, updates, variables}] from /runs
+    runs: [], // [{run, updates, variables, problems}] from /runs
     vocabulary: null, // leftover policies and advisor band, from /runs
     seen: new Set(), // runs listed before: a reload selects only new ones
     selected: new Set(),
@@ -17,6 +17,7 @@ export async function render() {
     showMicro: true,
     generation: 0, // bumped by every load; replies of older loads are ignored
     data: [], // fetchRun results of the selected runs, in run order
+    failed: [], // [{run, reasons}]: selected runs whose data could not be fetched
   };
   const ui = views.mount(() => {
     model.clearCache();
@@ -76,21 +77,24 @@ export async function render() {
     }
     views.setStatus(ui, 'Loading…');
     ui.root.dataset.loading = 'true';
-    let data;
-    try {
-      data = await Promise.all(runs.map(model.fetchRun));
-    } catch (err) {
-      if (generation === state.generation) {
-        views.setStatus(ui, `Could not load the data: ${err.message}`, true);
-        ui.content.replaceChildren();
-        delete ui.root.dataset.loading;
-        markReady();
-      }
+    // One run that cannot be read is reported; it never blanks the others.
+    const settled = await Promise.allSettled(runs.map(model.fetchRun));
+    if (generation !== state.generation) return; // the selection changed meanwhile
+    const data = settled.filter((s) => s.status === 'fulfilled').map((s) => s.value);
+    state.failed = settled
+      .map((s, i) => ({run: runs[i], reason: s.reason}))
+      .filter(({reason}) => reason !== undefined)
+      .map(({run, reason}) => ({run, reasons: [`Could not load this run: ${reason.message}`]}));
+    if (!data.length) {
+      const messages = state.failed.map(({run, reasons}) => `${run}: ${reasons[0]}`);
+      views.setStatus(ui, `Could not load the data. ${messages.join('; ')}`, true);
+      ui.content.replaceChildren();
+      delete ui.root.dataset.loading;
+      markReady();
       return;
     }
-    if (generation !== state.generation) return; // the selection changed meanwhile
     state.data = data;
-    if (!runs.includes(state.heatRun)) state.heatRun = runs[0];
+    if (!data.some((d) => d.run === state.heatRun)) state.heatRun = data[0].run;
     views.setStatus(ui, '');
     draw();
     delete ui.root.dataset.loading;
@@ -149,7 +153,13 @@ export async function render() {
     sections.heat = document.createElement('section');
     const counters = views.countersTable(
       state.data.map((d) => ({run: d.run, color: colorOf(d.run), counters: d.counters})));
-    ui.content.replaceChildren(sections.norms, lossCard(), advisor(), sections.heat, counters);
+    const problems = [...state.data.map((d) => ({run: d.run, reasons: d.problems})),
+      ...state.failed]
+      .filter((p) => p.reasons.length)
+      .map((p) => ({...p, color: colorOf(p.run)}));
+    const shown = problems.length ? [views.problemsSection(problems)] : [];
+    ui.content.replaceChildren(...shown, sections.norms, lossCard(), advisor(), sections.heat,
+      counters);
     drawNorms();
     drawHeat();
   }

@@ -14,7 +14,7 @@ async function getJson(url) {
 export const toNumber = (v) => (v === null || v === undefined ? null : Number(v));
 
 /**
- * {runs: [{run, updates, variables}] sorted by name, vocabulary}: the
+ * {runs: [{run, updates, variables, problems}] sorted by name, vocabulary}: the
  * vocabulary (leftover policies, their labels, the advisor's band) is defined
  * once, in Python (tb_plugin/metadata.py), and read from here.
  */
@@ -66,6 +66,9 @@ function normalize(run, series, events) {
     },
     events: events.events,
     counters: events.counters,
+    // What the server skipped for this run (see http_api.md), once each.
+    problems: [...new Set([...(series.problems || []), ...(events.problems || [])]
+      .map((p) => p.reason))],
   };
 }
 

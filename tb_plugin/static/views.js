@@ -57,6 +57,9 @@ const STYLE = `
   ul.hints li { margin: 6px 0; padding: 6px 10px; background: #fafafa; border-radius: 4px; }
   ul.hints .run-name { font-weight: 500; white-space: pre; }
   ul.hints .verdict { font-weight: 500; }
+  ul.problems { margin: 4px 0 0; padding-left: 18px; }
+  ul.problems li { margin: 3px 0; color: #8a4b00; overflow-wrap: anywhere; }
+  .problem-run { font-weight: 500; white-space: pre; }
   #empty-state { max-width: 640px; }
   #empty-state pre { background: #f5f5f5; padding: 10px 12px; border-radius: 4px;
     overflow-x: auto; }
@@ -274,4 +277,19 @@ export function countersTable(rows) {
     })));
   return card('Counters (latest values per run)',
     el('table', {className: 'counters'}, el('thead', {}, head), el('tbody', {}, ...body)));
+}
+
+/**
+ * What could not be read, per run: rows [{run, color, reasons}]. The runs
+ * listed here still draw everything else they hold.
+ */
+export function problemsSection(rows) {
+  const items = rows.map(({run, color, reasons}) => el('li', {dataset: {problemRun: run}},
+    el('div', {className: 'problem-run'}, swatch(color), run),
+    el('ul', {className: 'problems'},
+      ...reasons.map((reason) => el('li', {dataset: {problem: ''}}, reason)))));
+  return card('Not shown: what could not be read',
+    el('p', {className: 'note'}, 'These values or runs were skipped; every other run ' +
+      'is drawn as usual.'),
+    el('ul', {className: 'problems'}, ...items));
 }
