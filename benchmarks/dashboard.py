@@ -1,128 +1,202 @@
-"""How fast the Accumulation plugin answers for many long runs.
+"""How fast the Accumulation dashboard answers a team sharing one TensorBoard.
 
-Serves 10 runs x 100,000 updates (and 8 variables each) from an in-memory
-data provider, so what is timed is the plugin's own work: listing runs, one
-`series` and one `events` request per run, as the page makes them.
+Writes 5 runs x 20,000 updates (the callback's per-update series and 4
+accumulator norms each) as event files, starts a real `tensorboard` process
+on 127.0.0.1 and sends 2,000 requests from 16 concurrent clients, one third
+`/runs` and two thirds `/series` (the requests the page makes), once with
+TensorBoard's default retention and once with
+`--samples_per_plugin=accumulation=0` (everything kept). Prints requests per
+second, latency percentiles, the first (uncached) answer of each run's series,
+and TensorBoard's resident memory before and after.
 
-    python benchmarks/dashboard.py [--runs 10] [--updates 100000]
+    python benchmarks/dashboard.py [--runs 5] [--updates 20000] [--requests 2000]
+        [--clients 16] [--load_fast true|false]
 """
 
 import argparse
+import concurrent.futures
+import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
-from tensorboard.data import provider
-from tensorboard.plugins import base_plugin
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import tensor_pb2
+from tensorboard.compat.proto import tensor_shape_pb2
+from tensorboard.compat.proto import types_pb2
+from tensorboard.summary.writer import event_file_writer
 
 from tb_plugin import metadata
-from tb_plugin.plugin import AccumulationPlugin
+
+API = "data/plugin/accumulation/"
 
 
-class InMemoryProvider(provider.DataProvider):
-    """Scalar series held in memory: {run: {tag: (content, steps, values)}}."""
-
-    def __init__(self, runs):
-        self._runs = runs
-
-    def _select(self, run_tag_filter):
-        for run, tags in self._runs.items():
-            if run_tag_filter and run_tag_filter.runs is not None and run not in run_tag_filter.runs:
-                continue
-            for tag, entry in tags.items():
-                if run_tag_filter and run_tag_filter.tags is not None and tag not in run_tag_filter.tags:
-                    continue
-                yield run, tag, entry
-
-    def experiment_metadata(self, ctx=None, *, experiment_id):
-        return provider.ExperimentMetadata()
-
-    def list_plugins(self, ctx=None, *, experiment_id):
-        return [metadata.PLUGIN_NAME]
-
-    def list_runs(self, ctx=None, *, experiment_id):
-        return [provider.Run(run_id=r, run_name=r, start_time=0.0) for r in self._runs]
-
-    def list_scalars(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
-        result = {}
-        for run, tag, (content, steps, _) in self._select(run_tag_filter):
-            result.setdefault(run, {})[tag] = provider.ScalarTimeSeries(
-                max_step=int(steps[-1]), max_wall_time=0.0, plugin_content=content,
-                description="", display_name="")
-        return result
-
-    def read_scalars(self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None):
-        result = {}
-        for run, tag, (_, steps, values) in self._select(run_tag_filter):
-            keep = np.linspace(0, len(steps) - 1, min(downsample, len(steps))).astype(int)
-            result.setdefault(run, {})[tag] = [
-                provider.ScalarDatum(step=int(steps[i]), wall_time=0.0, value=float(values[i]))
-                for i in keep]
-        return result
-
-    def read_last_scalars(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
-        return {run: {tag: provider.ScalarDatum(step=int(steps[-1]), wall_time=0.0, value=float(values[-1]))
-                      for tag, (_, steps, values) in tags.items()}
-                for run, tags in self._runs.items()
-                if not (run_tag_filter and run_tag_filter.runs and run not in run_tag_filter.runs)}
-
-    def list_tensors(self, *args, **kwargs):
-        return {}
-
-    def read_tensors(self, *args, **kwargs):
-        return {}
-
-    def list_blob_sequences(self, *args, **kwargs):
-        return {}
-
-    def read_blob_sequences(self, *args, **kwargs):
-        return {}
-
-    def read_blob(self, *args, **kwargs):
-        raise NotImplementedError
-
-
-def make_runs(runs, updates, variables, seed=0):
+def write_runs(root, runs, updates, variables, seed=0):
+    """Event files as the callback writes them: one point per tag per update."""
     rng = np.random.default_rng(seed)
-    steps = np.arange(1, updates + 1)
-    result = {}
+    tags = [(metadata.TAG_PREFIX + name, metadata.create_summary_metadata(kind))
+            for name, kind in metadata.UPDATE_SERIES]
+    tags += [(f"{metadata.ACCUMULATOR_PREFIX}layer_{v}/kernel",
+              metadata.create_summary_metadata(metadata.Kind.ACCUMULATOR_NORM,
+                                               variable=f"layer_{v}/kernel"))
+             for v in range(variables)]
+    leftover = [(metadata.TAG_PREFIX + name, metadata.create_summary_metadata(kind))
+                for name, kind in metadata.LEFTOVER_SERIES]
+    shape = tensor_shape_pb2.TensorShapeProto()
     for r in range(runs):
-        tags = {}
-        for name, kind in metadata.UPDATE_SERIES:
-            content = metadata.create_summary_metadata(kind).plugin_data.content
-            tags[metadata.TAG_PREFIX + name] = (content, steps, rng.random(updates))
-        for v in range(variables):
-            content = metadata.create_summary_metadata(
-                metadata.Kind.ACCUMULATOR_NORM, variable=f"layer_{v}/kernel").plugin_data.content
-            tags[f"{metadata.ACCUMULATOR_PREFIX}layer_{v}/kernel"] = (content, steps, rng.random(updates))
-        event_steps = steps[::max(1, updates // 100)]
-        for name, kind in metadata.LEFTOVER_SERIES:
-            content = metadata.create_summary_metadata(kind).plugin_data.content
-            tags[metadata.TAG_PREFIX + name] = (content, event_steps, np.ones(len(event_steps)))
-        result[f"run-{r}"] = tags
-    return result
+        writer = event_file_writer.EventFileWriter(str(root / f"run-{r}"))
+        values = rng.random((updates, len(tags)))
+        for step in range(1, updates + 1):
+            summary = summary_pb2.Summary()
+            chosen = tags + (leftover if step % 200 == 0 else [])
+            row = list(values[step - 1]) + [2.0, 3.0, 24.0][:len(chosen) - len(tags)]
+            for (tag, meta), value in zip(chosen, row):
+                summary.value.add(
+                    tag=tag, metadata=meta if step <= 200 else None,
+                    tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT,
+                                                  tensor_shape=shape, float_val=[value]))
+            writer.add_event(event_pb2.Event(wall_time=1e9 + step, step=step, summary=summary))
+        writer.close()
+
+
+class TensorBoard:
+    """`tensorboard` in a subprocess on 127.0.0.1, a free port."""
+
+    def __init__(self, logdir, *flags):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+             "--host", "127.0.0.1", "--port", "0", *flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        self.url, self.log = None, []
+        started = threading.Event()
+
+        def read():
+            for line in self.process.stderr:
+                self.log.append(line)
+                found = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
+                if found and self.url is None:
+                    self.url = found.group(1)
+                    started.set()
+            started.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        started.wait(120)
+        if self.url is None:
+            self.stop()
+            raise SystemExit("TensorBoard did not start:\n" + "".join(self.log[-20:]))
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=120) as response:
+            return response.read()
+
+    def rss_mb(self):
+        """Resident memory of TensorBoard and its helpers (the Rust data server)."""
+        total = 0
+        pids = subprocess.run(["pgrep", "-g", str(self.process.pid)], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/statm").read_text().split()
+                total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+            except OSError:
+                pass
+        return total / 2**20
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(30)
+
+
+def wait_loaded(tb, runs, updates, keep_all):
+    """Until every run is listed with all its updates (and, keeping all, all read)."""
+    import json
+
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        try:
+            listed = json.loads(tb.get(API + "runs"))["runs"]
+            if len(listed) == runs and all(r["updates"] == updates for r in listed):
+                if not keep_all:
+                    return
+                sampled = json.loads(tb.get(API + f"series?run=run-{runs - 1}"))["sampled"]
+                if sampled >= min(updates, 4000):
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit("TensorBoard never loaded the runs:\n" + "".join(tb.log[-20:]))
+
+
+def load(tb, runs, requests, clients):
+    """Latencies (s) of `requests` requests from `clients` threads, and the wall time."""
+    paths = [API + "runs" if i % 3 == 0 else API + f"series?run=run-{i % runs}"
+             for i in range(requests)]
+
+    def timed(path):
+        start = time.perf_counter()
+        tb.get(path)
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        latencies = list(pool.map(timed, paths))
+    return latencies, time.perf_counter() - start
+
+
+def percentile(values, q):
+    return float(np.percentile(np.asarray(values) * 1000, q))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--updates", type=int, default=100_000)
-    parser.add_argument("--variables", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--updates", type=int, default=20_000)
+    parser.add_argument("--variables", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--load_fast", default="auto", choices=("auto", "true", "false"))
     args = parser.parse_args()
-    data = InMemoryProvider(make_runs(args.runs, args.updates, args.variables))
-    for label, hints in (("default retention", {}), ("samples_per_plugin=accumulation=0", {"accumulation": 0})):
-        plugin = AccumulationPlugin(base_plugin.TBContext(data_provider=data, sampling_hints=hints))
-        timings = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            runs = plugin.runs_impl(None, "")["runs"]
-            for run in runs:
-                plugin.series_impl(None, "", run["run"])
-                plugin.events_impl(None, "", run["run"])
-            timings.append(time.perf_counter() - start)
-        print(f"{args.runs} runs x {args.updates} updates, {label}: "
-              f"{statistics.median(timings):.3f} s for the runs list and every run's series and events")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        start = time.perf_counter()
+        write_runs(root, args.runs, args.updates, args.variables)
+        print(f"wrote {args.runs} runs x {args.updates} updates in "
+              f"{time.perf_counter() - start:.0f} s")
+        print("| retention | requests/s | p50 (ms) | p90 (ms) | p99 (ms) | max (ms) "
+              "| first series per run (ms, median) | memory before -> after (MB) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for label, flags, keep_all in (
+                ("default (1,000 points)", [], False),
+                ("keep all (`accumulation=0`)", ["--samples_per_plugin=accumulation=0"], True)):
+            tb = TensorBoard(root, f"--load_fast={args.load_fast}", *flags)
+            try:
+                wait_loaded(tb, args.runs, args.updates, keep_all)
+                first = []
+                for r in range(args.runs):
+                    begin = time.perf_counter()
+                    tb.get(API + f"series?run=run-{r}")
+                    first.append(time.perf_counter() - begin)
+                before = tb.rss_mb()
+                latencies, wall = load(tb, args.runs, args.requests, args.clients)
+                after = tb.rss_mb()
+            finally:
+                tb.stop()
+            print(f"| {label} | {len(latencies) / wall:.0f} | {percentile(latencies, 50):.0f} "
+                  f"| {percentile(latencies, 90):.0f} | {percentile(latencies, 99):.0f} "
+                  f"| {percentile(latencies, 100):.0f} "
+                  f"| {statistics.median(first) * 1000:.0f} | {before:.0f} -> {after:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ Every route is a thin HTTP wrapper around a plain `*_impl` function that reads
 through `context.data_provider` only (see `http_api.md`).
 """
 
+import collections
+import functools
 import importlib.resources
 import json
 import math
 import numbers
+import threading
 
 from tensorboard import context
 from tensorboard import errors
@@ -37,6 +40,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         self._data_provider = context.data_provider
         hint = (context.sampling_hints or {}).get(self.plugin_name)
         self._downsample_to = _ALL if hint == 0 else (hint or metadata.DEFAULT_SAMPLES)
+        self._answers = AnswerCache()
 
     def get_plugin_apps(self):
         apps = {"/runs": self._serve_runs, "/series": self._serve_series,
@@ -66,7 +70,11 @@ class AccumulationPlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _serve_runs(self, request):
         ctx, experiment = _context(request)
-        return _json(request, self.runs_impl(ctx, experiment))
+        listing = self._list(ctx, experiment)
+        generation = tuple((run, listed.generation) for run, listed in sorted(listing.items()))
+        body = self._answers.get(("runs", experiment), generation,
+                                 lambda: self._runs(listing))
+        return _respond_json(request, body)
 
     @wrappers.Request.application
     def _serve_series(self, request):
@@ -74,18 +82,25 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         run = _required(request, "run")
         points = _positive_int(request, "points", DEFAULT_POINTS)
         columns = _positive_int(request, "columns", DEFAULT_COLUMNS)
-        return _json(request, self.series_impl(ctx, experiment, run, points, columns))
+        listed = self._listed_run(ctx, experiment, run)
+        body = self._answers.get(
+            ("series", experiment, run, points, columns), listed.generation,
+            lambda: self._series(ctx, experiment, run, listed, points, columns))
+        return _respond_json(request, body)
 
     @wrappers.Request.application
     def _serve_events(self, request):
         ctx, experiment = _context(request)
         run = _required(request, "run")
-        return _json(request, self.events_impl(ctx, experiment, run))
+        listed = self._listed_run(ctx, experiment, run)
+        body = self._answers.get(("events", experiment, run), listed.generation,
+                                 lambda: self._events(ctx, experiment, run, listed))
+        return _respond_json(request, body)
 
     # -- plain functions ------------------------------------------------------------
 
     def _list(self, ctx, experiment, run=None):
-        """Readable series and problems: `({run: {tag: (data, series)}}, {run: [...]})`.
+        """`{run: _Listed}`: each run's readable series, problems and data generation.
 
         A tag whose plugin metadata cannot be read is left out and reported
         for its run; every other tag and run is still served.
@@ -95,23 +110,27 @@ class AccumulationPlugin(base_plugin.TBPlugin):
             ctx, experiment_id=experiment, plugin_name=self.plugin_name,
             run_tag_filter=run_filter,
         )
-        result, problems = {}, {}
+        result = {}
         for run_name, tags in listing.items():
-            readable = result.setdefault(run_name, {})
-            reported = problems.setdefault(run_name, [])
+            readable, problems = {}, []
             for tag, series in tags.items():
                 try:
-                    data = metadata.parse_plugin_metadata(series.plugin_content)
+                    data = _parse_plugin_metadata(series.plugin_content)
                 except ValueError as error:
-                    reported.append(_problem(tag, f"{tag}: {error}; skipped"))
+                    problems.append(_problem(tag, f"{tag}: {error}; skipped"))
                     continue
                 if data is None:
-                    reported.append(_problem(
+                    problems.append(_problem(
                         tag, f"{tag}: written by a newer tfaccum (plugin data version "
                         f"> {metadata.PROTO_VERSION}); upgrade tfaccum to read it; skipped"))
                     continue
                 readable[tag] = (data, series)
-        return result, problems
+            # New points move a tag's last step or wall time: cached answers
+            # of the run are valid while this stays the same.
+            generation = tuple(sorted(
+                (tag, series.max_step, series.max_wall_time) for tag, series in tags.items()))
+            result[run_name] = _Listed(readable, problems, generation)
+        return result
 
     def _guarded(self, read, run, tags, problems):
         """`read(tags)[run]`, tag by tag where the whole read fails.
@@ -161,33 +180,39 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 result[tag] = points[0]
         return result
 
-    def _run_tags(self, ctx, experiment, run):
-        listing, problems = self._list(ctx, experiment, run)
-        if run not in listing:
+    def _listed_run(self, ctx, experiment, run):
+        listed = self._list(ctx, experiment, run).get(run)
+        if listed is None:
             raise errors.NotFoundError(f"No accumulation data for run {run!r}")
-        return listing[run], list(problems.get(run, []))
+        return listed
 
     def runs_impl(self, ctx, experiment):
         """Runs with accumulation data (or problems reading it), sorted by name."""
-        listing, problems = self._list(ctx, experiment)
+        return self._runs(self._list(ctx, experiment))
+
+    def _runs(self, listing):
         runs = []
-        for run, tags in sorted(listing.items()):
-            applied = tags.get(_APPLIED)
+        for run, listed in sorted(listing.items()):
+            applied = listed.tags.get(_APPLIED)
             runs.append({
                 "run": run,
                 "updates": applied[1].max_step if applied else 0,
                 "variables": sum(
-                    1 for data, _ in tags.values()
+                    1 for data, _ in listed.tags.values()
                     if data.kind == metadata.Kind.ACCUMULATOR_NORM
                 ),
-                "problems": problems[run],
+                "problems": listed.problems,
             })
         return {"runs": runs, "vocabulary": metadata.VOCABULARY}
 
     def series_impl(self, ctx, experiment, run, points=DEFAULT_POINTS,
                     columns=DEFAULT_COLUMNS):
         """Per-update series of one run, downsampled for drawing."""
-        tags, problems = self._run_tags(ctx, experiment, run)
+        listed = self._listed_run(ctx, experiment, run)
+        return self._series(ctx, experiment, run, listed, points, columns)
+
+    def _series(self, ctx, experiment, run, listed, points, columns):
+        tags, problems = listed.tags, list(listed.problems)
         update_tags = [metadata.TAG_PREFIX + name for name, _ in metadata.UPDATE_SERIES]
         # Read a bounded sample of what TensorBoard keeps, then pick the
         # extremes of it: long runs stay fast, spikes stay visible. Series
@@ -225,7 +250,10 @@ class AccumulationPlugin(base_plugin.TBPlugin):
 
     def events_impl(self, ctx, experiment, run):
         """Leftover events and the latest counters of one run."""
-        tags, problems = self._run_tags(ctx, experiment, run)
+        return self._events(ctx, experiment, run, self._listed_run(ctx, experiment, run))
+
+    def _events(self, ctx, experiment, run, listed):
+        tags, problems = listed.tags, list(listed.problems)
         names = [metadata.TAG_PREFIX + name for name, _ in metadata.LEFTOVER_SERIES]
         data = self._read(ctx, experiment, run, [t for t in names if t in tags], _ALL, problems)
         policies, micro_batches, samples = (dict(data.get(tag, [])) for tag in names)
@@ -422,6 +450,57 @@ def _finite_or_text(value):
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def _json(request, payload):
-    body = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+def _respond_json(request, body):
     return http_util.Respond(request, body, "application/json")
+
+
+# -- answers kept per run and data generation -----------------------------------------
+
+
+class _Listed(collections.namedtuple("_Listed", "tags problems generation")):
+    """One run as listed: `{tag: (PluginData, ScalarTimeSeries)}`, problems, generation."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_plugin_metadata(content):
+    return metadata.parse_plugin_metadata(content)
+
+
+class AnswerCache:
+    """Serialized JSON answers, kept while their run's data is unchanged.
+
+    A team sharing one TensorBoard asks for the same runs again and again;
+    TensorBoard only changes what a run holds when it reloads the logs. An
+    answer is kept under its request (route, experiment, run, parameters)
+    with the data generation it was computed from, and recomputed once that
+    changes. Concurrent requests for the same missing answer compute it once.
+    The least recently used answers go first beyond `size` entries.
+    """
+
+    def __init__(self, size=128):
+        self._size = size
+        self._answers = collections.OrderedDict()  # key -> (generation, body)
+        self._lock = threading.Lock()
+        self._computing = {}  # key -> Lock held by the thread computing it
+
+    def get(self, key, generation, compute):
+        """The body for `key` at `generation`, from `compute()` if not kept."""
+        with self._lock:
+            kept = self._answers.get(key)
+            if kept is not None and kept[0] == generation:
+                self._answers.move_to_end(key)
+                return kept[1]
+            computing = self._computing.setdefault(key, threading.Lock())
+        with computing:
+            with self._lock:
+                kept = self._answers.get(key)
+                if kept is not None and kept[0] == generation:
+                    return kept[1]
+            body = json.dumps(compute(), allow_nan=False, separators=(",", ":"))
+            with self._lock:
+                self._answers[key] = (generation, body)
+                self._answers.move_to_end(key)
+                while len(self._answers) > self._size:
+                    self._answers.popitem(last=False)
+                self._computing.pop(key, None)
+            return body

@@ -252,3 +252,63 @@ def test_loader_sets_a_sampling_default_without_overriding_the_user():
         flags = argparse.Namespace(samples_per_plugin=dict(given))
         AccumulationPluginLoader().fix_flags(flags)
         assert flags.samples_per_plugin["accumulation"] == expected
+
+
+class CountingProvider:
+    """A data provider that counts its reads, around TensorBoard's own."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.reads = 0
+
+    def read_scalars(self, *args, **kwargs):
+        self.reads += 1
+        return self._inner.read_scalars(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_answers_are_kept_until_the_run_has_new_data(tmp_path):
+    import threading
+
+    import tensorflow as tf
+
+    tag = metadata.TAG_PREFIX + "applied_gradient_norm"
+    meta = metadata.create_summary_metadata(metadata.Kind.APPLIED_GRADIENT_NORM)
+
+    def write(steps):
+        with tf.summary.create_file_writer(str(tmp_path / "run")).as_default():
+            for step in steps:
+                tf.summary.write(tag, float(step), step=step, metadata=meta)
+
+    write(range(1, 4))
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance={metadata.PLUGIN_NAME: 0})
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    counting = CountingProvider(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)))
+    plugin = AccumulationPlugin(base_plugin.TBContext(logdir=str(tmp_path),
+                                                      data_provider=counting))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin], data_provider=counting))
+
+    # 16 concurrent requests for a cold answer read the data once.
+    bodies = []
+    threads = [threading.Thread(target=lambda: bodies.append(get_json(client, "/series?run=run")))
+               for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [b["steps"] for b in bodies] == [[1, 2, 3]] * 16
+    reads = counting.reads
+    assert reads == 1  # one read of the series: computed once
+    assert get_json(client, "/series?run=run")["steps"] == [1, 2, 3]
+    assert counting.reads == reads  # kept
+    get_json(client, "/series?run=run&points=2")  # other parameters: another answer
+    assert counting.reads > reads
+
+    write(range(4, 6))  # the run grows; TensorBoard reloads
+    multiplexer.Reload()
+    assert get_json(client, "/series?run=run")["steps"] == [1, 2, 3, 4, 5]
+    assert get_json(client, "/runs")["runs"][0]["updates"] == 5
