@@ -203,13 +203,110 @@ def test_convert_batch_norm():
     assert converted is not model and isinstance(model.layers[2], keras.layers.BatchNormalization)
 
 
-def test_convert_batch_norm_refuses_subclassed_models():
-    class Net(keras.Model):
-        def call(self, x):
-            return x
+def nested_bn_model(layer_class=keras.layers.BatchNormalization, seed=1):
+    """A functional and a Sequential model nested in a functional one.
 
-    with pytest.raises(ValueError, match="copies Sequential and functional models. Received: a Net"):
-        tfaccum.convert_batch_norm(Net())
+    Each normalisation sees the data itself, so its statistics do not depend
+    on how the other weights trained (nor on another layer's micro-batch
+    normalisation): they must match the large batch exactly.
+    """
+    keras.utils.set_random_seed(seed)
+    inner_in = keras.Input((5,))
+    inner = keras.Model(inner_in, keras.layers.Dense(1)(layer_class(momentum=0.8)(inner_in)),
+                        name="backbone")
+    head = keras.Sequential([keras.Input((5,)), layer_class(momentum=0.5), keras.layers.Dense(1)],
+                            name="head")
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Add()([inner(inputs), head(inputs)]))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def all_statistics(model):
+    return [np.array(w) for layer in model._flatten_layers(recursive=True)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            for w in (layer.moving_mean, layer.moving_variance)]
+
+
+def test_convert_batch_norm_walks_nested_models(capsys):
+    x, y = shifted_data()
+    model = nested_bn_model()
+    converted = tfaccum.convert_batch_norm(model)
+    assert "Converted 2 BatchNormalization layers to AccumBatchNormalization." in capsys.readouterr().out
+    kinds = [type(layer).__name__ for layer in converted._flatten_layers(recursive=True)]
+    assert kinds.count("AccumBatchNormalization") == 2 and "BatchNormalization" not in kinds
+    assert type(converted) is type(model)
+    assert [m.name for m in converted.layers if isinstance(m, keras.Model)] == ["backbone", "head"]
+    np.testing.assert_array_equal(converted.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert all(type(layer) is keras.layers.BatchNormalization  # the original is left alone
+               for layer in model._flatten_layers(recursive=True) if "batch_norm" in layer.name)
+    # Accumulated, the nested layers' moving statistics are the large batch's.
+    reference = nested_bn_model()
+    reference.fit(x[:96], y[:96], batch_size=32, epochs=2, shuffle=False, verbose=0)
+    converted.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    converted.fit(x[:96], y[:96], batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    for got, want in zip(all_statistics(converted), all_statistics(reference)):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    # Without the conversion the nested layers update per micro-batch.
+    plain = nested_bn_model()
+    plain.fit(x[:96], y[:96], batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert max(np.abs(a - b).max() for a, b in zip(all_statistics(plain),
+                                                   all_statistics(reference))) > 1e-2
+
+
+def test_convert_batch_norm_in_place_works_for_subclassed_models(capsys):
+    class Net(keras.Model):  # not serializable (a function argument): no copy can be made
+        def __init__(self, activation=lambda t: t):
+            super().__init__()
+            self.activation = activation
+            self.norm = keras.layers.BatchNormalization(momentum=0.8)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x, training=False):
+            return self.activation(self.dense(self.norm(x, training=training)))
+
+    x, y = shifted_data()
+    net = Net()
+    net.compile(optimizer="sgd", loss="mse")
+    net.fit(x, y, batch_size=32, epochs=1, verbose=0)  # traced with the plain layer
+    with pytest.raises(ValueError, match="(?s)could not copy model .* Pass `in_place=True`"):
+        tfaccum.convert_batch_norm(net)
+    assert tfaccum.convert_batch_norm(net, in_place=True, verbose=0) is net
+    assert type(net.norm) is AccumBatchNormalization and capsys.readouterr().out == ""
+    before = all_statistics(net)
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    net.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    after = all_statistics(net)
+    # One window: the moving mean moved once, by (1 - momentum) towards the batch mean.
+    expected = 0.8 * before[0] + 0.2 * x[:32].mean(axis=0)
+    np.testing.assert_allclose(after[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_convert_batch_norm_refusals():
+    class OwnNorm(keras.layers.BatchNormalization):
+        pass
+
+    model = keras.Sequential([keras.Input((3,)), OwnNorm(name="own")])
+    with pytest.raises(ValueError, match="'own' \\(OwnNorm\\).*subclass `tfaccum.AccumBatchNormalization`"):
+        tfaccum.convert_batch_norm(model)
+    with pytest.raises(ValueError, match="Keras model. Received: model=3"):
+        tfaccum.convert_batch_norm(3)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="`in_place` must be True or False. Received: in_place=1"):
+        tfaccum.convert_batch_norm(plain, in_place=1)
+    with pytest.raises(ValueError, match="`verbose` must be 0 or 1. Received: verbose=2"):
+        tfaccum.convert_batch_norm(plain, verbose=2)
+    with pytest.warns(UserWarning, match="found no BatchNormalization layer"):
+        tfaccum.convert_batch_norm(plain, verbose=0)
+
+
+def test_convert_batch_norm_says_tf_keras_is_not_supported_yet():
+    tf_keras = pytest.importorskip("tf_keras")
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.BatchNormalization()])
+    with pytest.raises(ValueError, match="Keras 3 only for now. Received: a tf_keras"):
+        tfaccum.convert_batch_norm(model)
 
 
 def test_renorm_is_refused_under_accumulation():

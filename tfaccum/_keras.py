@@ -277,6 +277,16 @@ def flatten_layers(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
+def forget_traced_functions(model):
+    """Makes Keras trace `model`'s train/test/predict functions again at their next use.
+
+    Private: the `*_function` attributes `make_*_function` caches (Keras 3.5-3.15).
+    """
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
 def batch_norm_moments(layer, inputs, mask):
     """Per-batch mean and variance, as `BatchNormalization` computes them.
 

@@ -1,5 +1,9 @@
 """`AccumBatchNormalization`: batch statistics that see the whole window."""
 
+import os
+import tempfile
+import warnings
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -245,38 +249,108 @@ def accumulating_layers(model):
     ]
 
 
-def convert_batch_norm(model):
-    """Returns a copy of `model` with every `BatchNormalization` made accumulation-aware.
+def convert_batch_norm(model, in_place=False, verbose=1):
+    """Makes every `BatchNormalization` of `model` accumulation-aware.
 
-    Each `keras.layers.BatchNormalization` becomes an `AccumBatchNormalization`
-    with the same configuration; every weight (moving statistics included) is
-    carried over. Works for Sequential and functional models.
+    Each `keras.layers.BatchNormalization`, at any depth (a backbone nested in
+    a functional model, Sequential inside functional, a keras_hub backbone
+    inside its task), becomes an `AccumBatchNormalization`: the same layer,
+    configuration and weights (moving statistics included), only its class
+    changes. The model keeps its kind: a keras_hub task stays that task, with
+    its preprocessor.
 
     Args:
-        model: A Sequential or functional Keras model.
+        model: A Keras 3 model of any kind.
+        in_place: `False` (default): convert a copy (made by saving and
+            loading the model in memory, so it must be serializable) and
+            leave `model` as it was. `True`: convert `model` itself, which
+            works for any model, subclassed ones included; a model already
+            trained must be compiled again afterwards.
+        verbose: `1` prints how many layers were converted; `0` is silent.
+
+    Returns:
+        The converted model (`model` itself if `in_place`).
+
+    Raises:
+        ValueError: for a tf_keras (Keras 2) model (Keras 3 only, for now); for
+            a subclass of `BatchNormalization` (its own code would be lost:
+            make it subclass `AccumBatchNormalization` instead); for a model
+            that cannot be copied (pass `in_place=True`).
 
     Example:
 
     ```python
-    model = tfaccum.convert_batch_norm(keras.applications.ResNet50(weights=None))
+    backbone = keras.applications.MobileNetV2(include_top=False, weights=None)
+    inputs = keras.Input((96, 96, 3))
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(backbone(inputs)))
+    model = tfaccum.convert_batch_norm(keras.Model(inputs, outputs))
+    # Converted 52 BatchNormalization layers to AccumBatchNormalization.
     ```
     """
+    if not isinstance(model, keras.Model):
+        if _keras.is_tf_keras_model(model):
+            raise ValueError(
+                "`convert_batch_norm` and `AccumBatchNormalization` are Keras 3 "
+                f"only for now. Received: a tf_keras (Keras 2) model, "
+                f"{type(model).__name__} {model.name!r}. Under "
+                "tf_keras, BatchNormalization updates its moving statistics per "
+                "micro-batch (accumulation stays exact for the weights)."
+            )
+        raise ValueError(f"`model` must be a Keras model. Received: model={model!r}")
+    if not isinstance(in_place, bool):
+        raise ValueError(f"`in_place` must be True or False. Received: in_place={in_place!r}")
+    if type(verbose) is not int or verbose not in (0, 1):
+        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+    _refuse_batch_norm_subclasses(model)
+    target = model if in_place else _copy(model)
+    converted = 0
+    for layer in _keras.flatten_layers(target):
+        if type(layer) is keras.layers.BatchNormalization:
+            layer.__class__ = AccumBatchNormalization
+            converted += 1
+    if in_place and converted:
+        _keras.forget_traced_functions(target)
+    if verbose:
+        _keras.print_msg(f"Converted {converted} BatchNormalization layer"
+                         f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
+    if not converted and not any(isinstance(x, AccumBatchNormalization) for x in _keras.flatten_layers(target)):
+        warnings.warn(
+            f"`convert_batch_norm` found no BatchNormalization layer in model "
+            f"{model.name!r}: nothing was converted.",
+            stacklevel=2,
+        )
+    return target
 
-    def clone(layer):
-        config = layer.get_config()
-        if isinstance(layer, keras.layers.BatchNormalization) and not isinstance(
-            layer, AccumBatchNormalization
-        ):
-            return AccumBatchNormalization.from_config(config)
-        return layer.__class__.from_config(config)
 
-    try:
-        copy = keras.models.clone_model(model, clone_function=clone)
-    except ValueError:
+def _refuse_batch_norm_subclasses(model):
+    subclasses = [
+        f"{layer.name!r} ({type(layer).__name__})"
+        for layer in _keras.flatten_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and not isinstance(layer, AccumBatchNormalization)
+        and type(layer) is not keras.layers.BatchNormalization
+    ]
+    if subclasses:
         raise ValueError(
-            "`convert_batch_norm` copies Sequential and functional models. "
-            f"Received: a {type(model).__name__}; for a subclassed model, "
-            "use `tfaccum.AccumBatchNormalization` in its code instead."
-        ) from None
-    copy.set_weights(model.get_weights())
-    return copy
+            "`convert_batch_norm` converts `keras.layers.BatchNormalization` "
+            "itself; these layers subclass it, and their own code would be "
+            f"lost: {', '.join(subclasses)}. Make them subclass "
+            "`tfaccum.AccumBatchNormalization` instead."
+        )
+
+
+def _copy(model):
+    """A copy of `model`: saved and loaded (weights, assets and its class kept)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.keras")
+        try:
+            model.save(path)
+            return keras.models.load_model(path, compile=False, safe_mode=False)
+        except Exception as error:  # noqa: BLE001 - any reason it cannot be copied
+            raise ValueError(
+                f"`convert_batch_norm` could not copy model {model.name!r} (a "
+                f"{type(model).__name__}) by saving and loading it: "
+                f"{type(error).__name__}: {error}. Pass `in_place=True` to convert "
+                "the model itself, or use `tfaccum.AccumBatchNormalization` in "
+                "its code."
+            ) from error
