@@ -1,6 +1,9 @@
 """AccumBatchNormalization and convert_batch_norm."""
 
 import inspect
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -194,8 +197,9 @@ def test_convert_batch_norm():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, np.zeros((16, 2)), epochs=1, verbose=0)  # non-trivial moving statistics
     converted = tfaccum.convert_batch_norm(model)
-    kinds = [type(layer).__name__ for layer in converted.layers]
-    assert kinds.count("AccumBatchNormalization") == 2 and "BatchNormalization" not in kinds
+    norms = [layer for layer in converted.layers
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 2 and all(isinstance(n, AccumBatchNormalization) for n in norms)
     for old, new in zip(model.layers, converted.layers):
         if isinstance(old, keras.layers.BatchNormalization):
             assert new.get_config() | {"name": None} == old.get_config() | {"name": None}
@@ -233,8 +237,9 @@ def test_convert_batch_norm_walks_nested_models(capsys):
     model = nested_bn_model()
     converted = tfaccum.convert_batch_norm(model)
     assert "Converted 2 BatchNormalization layers to AccumBatchNormalization." in capsys.readouterr().out
-    kinds = [type(layer).__name__ for layer in converted._flatten_layers(recursive=True)]
-    assert kinds.count("AccumBatchNormalization") == 2 and "BatchNormalization" not in kinds
+    norms = [layer for layer in converted._flatten_layers(recursive=True)
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 2 and all(isinstance(n, AccumBatchNormalization) for n in norms)
     assert type(converted) is type(model)
     assert [m.name for m in converted.layers if isinstance(m, keras.Model)] == ["backbone", "head"]
     np.testing.assert_array_equal(converted.predict(x, verbose=0), model.predict(x, verbose=0))
@@ -274,7 +279,7 @@ def test_convert_batch_norm_in_place_works_for_subclassed_models(capsys):
     with pytest.raises(ValueError, match="(?s)could not copy model .* Pass `in_place=True`"):
         tfaccum.convert_batch_norm(net)
     assert tfaccum.convert_batch_norm(net, in_place=True, verbose=0) is net
-    assert type(net.norm) is AccumBatchNormalization and capsys.readouterr().out == ""
+    assert isinstance(net.norm, AccumBatchNormalization) and capsys.readouterr().out == ""
     before = all_statistics(net)
     callback = GradientAccumulationCallback(accumulation_steps=4)
     net.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
@@ -282,6 +287,33 @@ def test_convert_batch_norm_in_place_works_for_subclassed_models(capsys):
     # One window: the moving mean moved once, by (1 - momentum) towards the batch mean.
     expected = 0.8 * before[0] + 0.2 * x[:32].mean(axis=0)
     np.testing.assert_allclose(after[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_converted_model_saves_as_plain_batch_normalization(tmp_path):
+    """Loadable anywhere, tfaccum or not; convert again to keep accumulating."""
+    x, y = shifted_data()
+    converted = tfaccum.convert_batch_norm(nested_bn_model(), verbose=0)
+    converted.compile(optimizer="sgd", loss="mse")
+    converted.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    converted.save(tmp_path / "model.keras")
+    script = (
+        "import sys, keras, numpy as np\n"
+        f"model = keras.models.load_model({str(tmp_path / 'model.keras')!r})\n"
+        "assert 'tfaccum' not in sys.modules\n"
+        "norms = [l for l in model._flatten_layers(recursive=True)"
+        " if isinstance(l, keras.layers.BatchNormalization)]\n"
+        "assert [type(n) for n in norms] == [keras.layers.BatchNormalization] * 2, norms\n"
+        f"np.save({str(tmp_path / 'out.npy')!r}, model.predict(np.load({str(tmp_path / 'x.npy')!r}),"
+        " verbose=0))\n")
+    np.save(tmp_path / "x.npy", x)
+    subprocess.run([sys.executable, "-c", script], check=True, env=dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), converted.predict(x, verbose=0),
+                               rtol=1e-6)
+    again = tfaccum.convert_batch_norm(keras.models.load_model(tmp_path / "model.keras"),
+                                       verbose=0)
+    assert max_weight_diff(again, converted) == 0
 
 
 def test_convert_batch_norm_refusals():

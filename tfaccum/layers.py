@@ -306,7 +306,7 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     converted = 0
     for layer in _keras.flatten_layers(target):
         if type(layer) is keras.layers.BatchNormalization:
-            layer.__class__ = AccumBatchNormalization
+            layer.__class__ = ConvertedBatchNormalization
             converted += 1
     if in_place and converted:
         _keras.forget_traced_functions(target)
@@ -320,6 +320,25 @@ def convert_batch_norm(model, in_place=False, verbose=1):
             stacklevel=2,
         )
     return target
+
+
+class ConvertedBatchNormalization(AccumBatchNormalization):
+    """What `convert_batch_norm` makes of a `BatchNormalization`: saved as one.
+
+    An `AccumBatchNormalization` that is saved exactly as the
+    `keras.layers.BatchNormalization` it was (same class name in the config
+    and the weights file), so a converted model saves and loads anywhere,
+    without tfaccum, and so do models that rebuild their layers from their
+    arguments when loaded (keras_hub backbones). A loaded model has plain
+    `BatchNormalization` again: convert it again to keep accumulating.
+    """
+
+
+# Saved under BatchNormalization's own name and module: Keras writes the
+# class's name into the config and the weights file's paths.
+ConvertedBatchNormalization.__name__ = keras.layers.BatchNormalization.__name__
+ConvertedBatchNormalization.__qualname__ = keras.layers.BatchNormalization.__qualname__
+ConvertedBatchNormalization.__module__ = keras.layers.BatchNormalization.__module__
 
 
 def _refuse_batch_norm_subclasses(model):
