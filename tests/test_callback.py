@@ -313,7 +313,7 @@ def test_verbose_prints_epoch_summary(capsys):
               callbacks=[GradientAccumulationCallback(accumulation_steps=4, verbose=1)])
     out = capsys.readouterr().out
     assert ("Epoch 1: 13 micro-steps, 4 optimizer updates (accumulation_steps=4); "
-            "flushed a partial window of 1 micro-batches (4 samples); noise scale "
+            "flushed a partial window of 1 micro-batch (4 samples); noise scale "
             "B_simple=") in out
     assert re.search(r"B_simple=[-\d.e+]+ \(suggests accumulation_steps=\d+\)\.", out)
 

@@ -537,8 +537,8 @@ class GradientAccumulationCallback(_keras.Callback):
                 items = f" ({epoch_count['items']} items)"
             _keras.print_msg(
                 f"Epoch {epoch + 1}: "
-                f"{epoch_count['micro_steps']} micro-steps{items}, "
-                f"{epoch_count['optimizer_steps']} optimizer updates "
+                f"{_counted(epoch_count['micro_steps'], 'micro-step')}{items}, "
+                f"{_counted(epoch_count['optimizer_steps'], 'optimizer update')} "
                 f"(accumulation_steps={self.hook.accumulation_steps}); "
                 f"{self._describe_leftover(self._leftover_window)}"
                 f"{self._describe_noise_scale()}."
@@ -608,8 +608,8 @@ class GradientAccumulationCallback(_keras.Callback):
     @staticmethod
     def _describe(window):
         return (
-            f"a partial window of {window.micro_batches} micro-batches "
-            f"({window.samples} samples)"
+            f"a partial window of {_counted(window.micro_batches, 'micro-batch')} "
+            f"({_counted(window.samples, 'sample')})"
         )
 
     def _abandon(self):
@@ -619,3 +619,9 @@ class GradientAccumulationCallback(_keras.Callback):
             self.hook._loop_running = False
             self.hook.drop()
             self.hook.remove()
+
+
+def _counted(count, noun):
+    """`1 micro-step`, `2 micro-steps`."""
+    plural = "es" if noun.endswith("ch") else "s"
+    return f"{count} {noun}{'' if count == 1 else plural}"
