@@ -334,13 +334,6 @@ def test_convert_batch_norm_refusals():
         tfaccum.convert_batch_norm(plain, verbose=0)
 
 
-def test_convert_batch_norm_says_tf_keras_is_not_supported_yet():
-    tf_keras = pytest.importorskip("tf_keras")
-    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.BatchNormalization()])
-    with pytest.raises(ValueError, match="Keras 3 only for now. Received: a tf_keras"):
-        tfaccum.convert_batch_norm(model)
-
-
 def test_renorm_is_refused_under_accumulation():
     x, y = shifted_data(n=16)
     if "renorm" not in inspect.signature(keras.layers.BatchNormalization).parameters:

@@ -295,6 +295,22 @@ def batch_norm_moments(layer, inputs, mask):
     return layer._moments(inputs, mask)
 
 
+def tf_keras_training_value(layer, training):
+    """What tf_keras' `BatchNormalization` takes `training` to be (False if frozen).
+
+    Private: `BatchNormalizationBase._get_training_value` (tf_keras 2.16-2.21).
+    """
+    return layer._get_training_value(training)
+
+
+def tf_keras_batch_norm_moments(layer, inputs, axes, mask):
+    """tf_keras' `BatchNormalization` moments over `axes` (masked if `mask`).
+
+    Private: `BatchNormalizationBase._moments` and `_param_dtype` (tf_keras 2.16-2.21).
+    """
+    return layer._moments(tf.cast(inputs, layer._param_dtype), axes, keep_dims=False, mask=mask)
+
+
 def batch_norm_reduction_axes(layer):
     """The axes `BatchNormalization` reduces over (set when it is built).
 

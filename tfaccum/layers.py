@@ -1,5 +1,6 @@
 """`AccumBatchNormalization`: batch statistics that see the whole window."""
 
+import collections
 import os
 import tempfile
 import warnings
@@ -129,8 +130,58 @@ def window_observers(model, strategy):
     return [BatchNormWindows(layers, strategy)] if layers else []
 
 
+class WindowedMoments:
+    """What the hook calls on a normalisation layer that pools its window's moments.
+
+    Shared by `AccumBatchNormalization` (Keras 3) and its Keras 2 twin
+    (`tfaccum.keras2`). The layer stages each forward pass's moments in the
+    window (`PooledMoments`) and leaves its moving statistics to the end of it.
+    """
+
+    _window = None  # a PooledMoments while an accumulation hook is installed
+
+    def _new_window(self, strategy):
+        if _keras.batch_norm_renorm(self):
+            raise ValueError(
+                f"Layer {self.name!r}: AccumBatchNormalization with "
+                "`renorm=True` is not supported under gradient accumulation. "
+                "Received: renorm=True"
+            )
+        if getattr(self, "synchronized", False) and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"Layer {self.name!r}: AccumBatchNormalization with "
+                "`synchronized=True` with several replicas is not supported "
+                "under gradient accumulation yet. Received: synchronized=True "
+                f"under {type(strategy).__name__} with "
+                f"{strategy.num_replicas_in_sync} replicas. Use "
+                "synchronized=False: each replica then pools its own window."
+            )
+        return PooledMoments(tuple(self.moving_mean.shape), strategy)
+
+    def _set_window(self, window):
+        object.__setattr__(self, "_window", window)  # untracked: not a weight
+
+    def _window_variance(self, variance, count):
+        """The variance the moving statistics move towards (the biased one)."""
+        return variance
+
+    def _apply_window_moments(self):
+        """Moves the moving statistics once, towards the window's moments."""
+        mean, variance = self._window.moments()
+        variance = self._window_variance(variance, self._window.count.read_value())
+        momentum = self.momentum
+        self.moving_mean.assign(
+            self.moving_mean * momentum
+            + tf.cast(mean, self.moving_mean.dtype) * (1.0 - momentum)
+        )
+        self.moving_variance.assign(
+            self.moving_variance * momentum
+            + tf.cast(variance, self.moving_variance.dtype) * (1.0 - momentum)
+        )
+
+
 @keras.saving.register_keras_serializable(package="tfaccum")
-class AccumBatchNormalization(keras.layers.BatchNormalization):
+class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
     """`BatchNormalization` whose moving statistics see the whole accumulation window.
 
     A drop-in for `keras.layers.BatchNormalization`: the same arguments,
@@ -165,8 +216,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     ])
     ```
     """
-
-    _window = None  # a PooledMoments while an accumulation hook is installed
 
     def call(self, inputs, training=None, mask=None):
         window = self._window
@@ -203,49 +252,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             )
         return count
 
-    # -- called by AccumulationHook ------------------------------------------
-
-    def _new_window(self, strategy):
-        if _keras.batch_norm_renorm(self):
-            raise ValueError(
-                f"Layer {self.name!r}: AccumBatchNormalization with "
-                "`renorm=True` is not supported under gradient accumulation. "
-                "Received: renorm=True"
-            )
-        if self.synchronized and strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                f"Layer {self.name!r}: AccumBatchNormalization with "
-                "`synchronized=True` with several replicas is not supported "
-                "under gradient accumulation yet. Received: synchronized=True "
-                f"under {type(strategy).__name__} with "
-                f"{strategy.num_replicas_in_sync} replicas. Use "
-                "synchronized=False: each replica then pools its own window."
-            )
-        return PooledMoments(tuple(self.moving_mean.shape), strategy)
-
-    def _set_window(self, window):
-        object.__setattr__(self, "_window", window)  # untracked: not a weight
-
-    def _apply_window_moments(self):
-        """Moves the moving statistics once, towards the window's moments."""
-        mean, variance = self._window.moments()
-        momentum = self.momentum
-        self.moving_mean.assign(
-            self.moving_mean * momentum
-            + ops.cast(mean, self.moving_mean.dtype) * (1.0 - momentum)
-        )
-        self.moving_variance.assign(
-            self.moving_variance * momentum
-            + ops.cast(variance, self.moving_variance.dtype) * (1.0 - momentum)
-        )
-
 
 def accumulating_layers(model):
-    """The `AccumBatchNormalization` layers of `model`, nested ones included."""
+    """The `AccumBatchNormalization` layers of `model` (either Keras), nested ones included."""
     return [
         layer
         for layer in _keras.flatten_layers(model)
-        if isinstance(layer, AccumBatchNormalization)
+        if isinstance(layer, WindowedMoments)
     ]
 
 
@@ -260,7 +273,7 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     its preprocessor.
 
     Args:
-        model: A Keras 3 model of any kind.
+        model: A Keras 3 or tf_keras (Keras 2) model of any kind.
         in_place: `False` (default): convert a copy (made by saving and
             loading the model in memory, so it must be serializable) and
             leave `model` as it was. `True`: convert `model` itself, which
@@ -272,10 +285,9 @@ def convert_batch_norm(model, in_place=False, verbose=1):
         The converted model (`model` itself if `in_place`).
 
     Raises:
-        ValueError: for a tf_keras (Keras 2) model (Keras 3 only, for now); for
-            a subclass of `BatchNormalization` (its own code would be lost:
-            make it subclass `AccumBatchNormalization` instead); for a model
-            that cannot be copied (pass `in_place=True`).
+        ValueError: for a subclass of `BatchNormalization` (its own code
+            would be lost: make it subclass `AccumBatchNormalization`
+            instead); for a model that cannot be copied (pass `in_place=True`).
 
     Example:
 
@@ -287,39 +299,48 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     # Converted 52 BatchNormalization layers to AccumBatchNormalization.
     ```
     """
-    if not isinstance(model, keras.Model):
-        if _keras.is_tf_keras_model(model):
-            raise ValueError(
-                "`convert_batch_norm` and `AccumBatchNormalization` are Keras 3 "
-                f"only for now. Received: a tf_keras (Keras 2) model, "
-                f"{type(model).__name__} {model.name!r}. Under "
-                "tf_keras, BatchNormalization updates its moving statistics per "
-                "micro-batch (accumulation stays exact for the weights)."
-            )
-        raise ValueError(f"`model` must be a Keras model. Received: model={model!r}")
+    kind = _kind_of(model)
     if not isinstance(in_place, bool):
         raise ValueError(f"`in_place` must be True or False. Received: in_place={in_place!r}")
     if type(verbose) is not int or verbose not in (0, 1):
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
-    _refuse_batch_norm_subclasses(model)
-    target = model if in_place else _copy(model)
+    _refuse_batch_norm_subclasses(model, kind.batch_norm)
+    target = model if in_place else _copy(model, kind.load_model)
     converted = 0
     for layer in _keras.flatten_layers(target):
-        if type(layer) is keras.layers.BatchNormalization:
-            layer.__class__ = ConvertedBatchNormalization
+        if type(layer) is kind.batch_norm:
+            layer.__class__ = kind.converted
             converted += 1
     if in_place and converted:
         _keras.forget_traced_functions(target)
     if verbose:
         _keras.print_msg(f"Converted {converted} BatchNormalization layer"
                          f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
-    if not converted and not any(isinstance(x, AccumBatchNormalization) for x in _keras.flatten_layers(target)):
+    if not converted and not accumulating_layers(target):
         warnings.warn(
             f"`convert_batch_norm` found no BatchNormalization layer in model "
             f"{model.name!r}: nothing was converted.",
             stacklevel=2,
         )
     return target
+
+
+_Kind = collections.namedtuple("_Kind", "batch_norm converted load_model")
+
+
+def _kind_of(model):
+    """The classes a Keras 3 or a tf_keras (Keras 2) model converts with."""
+    if isinstance(model, keras.Model):
+        return _Kind(keras.layers.BatchNormalization, ConvertedBatchNormalization,
+                     keras.models.load_model)
+    if _keras.is_tf_keras_model(model):
+        import tf_keras
+
+        from tfaccum import keras2
+
+        return _Kind(tf_keras.layers.BatchNormalization, keras2.ConvertedBatchNormalization,
+                     tf_keras.models.load_model)
+    raise ValueError(f"`model` must be a Keras model. Received: model={model!r}")
 
 
 class ConvertedBatchNormalization(AccumBatchNormalization):
@@ -334,20 +355,28 @@ class ConvertedBatchNormalization(AccumBatchNormalization):
     """
 
 
-# Saved under BatchNormalization's own name and module: Keras writes the
-# class's name into the config and the weights file's paths.
-ConvertedBatchNormalization.__name__ = keras.layers.BatchNormalization.__name__
-ConvertedBatchNormalization.__qualname__ = keras.layers.BatchNormalization.__qualname__
-ConvertedBatchNormalization.__module__ = keras.layers.BatchNormalization.__module__
+def saved_as(cls, original):
+    """Makes Keras save `cls` as `original`: same name and module.
+
+    Keras writes a layer's class name and module into the model's config and
+    its class name into the weights file's paths.
+    """
+    cls.__name__ = original.__name__
+    cls.__qualname__ = original.__qualname__
+    cls.__module__ = original.__module__
+    return cls
 
 
-def _refuse_batch_norm_subclasses(model):
+saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)
+
+
+def _refuse_batch_norm_subclasses(model, batch_norm):
     subclasses = [
         f"{layer.name!r} ({type(layer).__name__})"
         for layer in _keras.flatten_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        and not isinstance(layer, AccumBatchNormalization)
-        and type(layer) is not keras.layers.BatchNormalization
+        if isinstance(layer, batch_norm)
+        and not isinstance(layer, WindowedMoments)
+        and type(layer) is not batch_norm
     ]
     if subclasses:
         raise ValueError(
@@ -358,13 +387,13 @@ def _refuse_batch_norm_subclasses(model):
         )
 
 
-def _copy(model):
+def _copy(model, load_model):
     """A copy of `model`: saved and loaded (weights, assets and its class kept)."""
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "model.keras")
         try:
             model.save(path)
-            return keras.models.load_model(path, compile=False, safe_mode=False)
+            return load_model(path, compile=False, safe_mode=False)
         except Exception as error:  # noqa: BLE001 - any reason it cannot be copied
             raise ValueError(
                 f"`convert_batch_norm` could not copy model {model.name!r} (a "
