@@ -20,7 +20,7 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_summary.py tests/test_nonfinite.py tests/test_resume.py \
 	tests/test_noise_scale.py tests/test_distribution.py tests/test_window.py \
 	tests/test_features_meet.py tests/test_transparency.py tests/test_pairwise.py \
-	tests/test_items.py
+	tests/test_items.py tests/test_optimizers.py
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
