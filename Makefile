@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 6006
 PYTEST_ARGS ?=
+# Two processes (CI has 2 cores); a file's tests stay in one, with its fixtures.
+XDIST ?= -n 2 --dist loadfile
 
 .PHONY: test test-oldest demo benchmark proto clean
 
@@ -23,8 +25,8 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_items.py tests/test_optimizers.py
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest -m "not keras3" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest $(XDIST) -m "not keras3" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
 	$(MAKE) test-oldest
 
 # A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.
@@ -36,12 +38,12 @@ OLDEST_TESTS := tests/test_hook.py tests/test_window.py tests/test_features_meet
 $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST_VENV)/bin/python -m pip install --quiet $(OLDEST) 'pytest>=8' -e . --config-settings editable_mode=compat
+	$(OLDEST_VENV)/bin/python -m pip install --quiet $(OLDEST) 'pytest>=8' 'pytest-xdist>=3' -e . --config-settings editable_mode=compat
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS) $(PYTEST_ARGS)
-	TF_USE_LEGACY_KERAS=1 $(OLDEST_VENV)/bin/python -m pytest -m "not keras3" \
+	$(OLDEST_VENV)/bin/python -m pytest $(XDIST) $(OLDEST_TESTS) $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(OLDEST_VENV)/bin/python -m pytest $(XDIST) -m "not keras3" \
 		tests/test_hook.py tests/test_features_meet.py tests/test_transparency.py $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-examples

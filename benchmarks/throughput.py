@@ -46,7 +46,8 @@ import tensorflow as tf  # noqa: E402
 
 from tfaccum import GradientAccumulationCallback  # noqa: E402
 
-MODELS = {"cnn": "CNN 32x32", "seq": "masked GRU tagger, 4..32 tokens"}
+MODELS = {"cnn": "CNN 32x32", "seq": "masked GRU tagger, 4..32 tokens",
+          "heads": "masked GRU with a per-token and a per-sequence head"}
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 VARIANTS = ("tfaccum", "tfaccum-no-noise", "tfaccum-samples", "tfaccum+log_dir", "keras",
             "keras-again", "micro", "large")
@@ -64,13 +65,16 @@ RATIOS = (
 
 
 def load_data(samples, model="mlp"):
-    if model == "seq":
+    if model in ("seq", "heads"):
         # Padded sequences of 4..32 tokens, a per-token label each.
         rng = np.random.default_rng(0)
         lengths = rng.integers(4, 33, samples)
         tokens = rng.integers(1, 1000, (samples, 32))
         tokens[np.arange(32)[None, :] >= lengths[:, None]] = 0
-        return tokens, rng.integers(0, 10, (samples, 32))
+        labels = rng.integers(0, 10, (samples, 32))
+        if model == "heads":  # and a label per sequence
+            return tokens, {"per_token": labels, "per_sequence": labels[:, :1]}
+        return tokens, labels
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -82,7 +86,16 @@ def load_data(samples, model="mlp"):
 
 def build(variant, args):
     keras.utils.set_random_seed(0)
-    if args.model == "seq":
+    if args.model == "heads":
+        inputs = keras.Input((32,), dtype="int32")
+        hidden = keras.layers.GRU(64, return_sequences=True)(
+            keras.layers.Embedding(1000, 64, mask_zero=True)(inputs))
+        model = keras.Model(inputs, {
+            "per_token": keras.layers.Dense(10, activation="softmax", name="per_token")(hidden),
+            "per_sequence": keras.layers.Dense(10, activation="softmax", name="per_sequence")(
+                keras.layers.GlobalAveragePooling1D()(hidden))})
+        layers = None
+    elif args.model == "seq":
         layers = [
             keras.Input((32,), dtype="int32"),
             keras.layers.Embedding(1000, 64, mask_zero=True),
@@ -102,12 +115,13 @@ def build(variant, args):
     else:
         layers = [keras.Input((64,))]
         layers += [keras.layers.Dense(args.width, activation="relu") for _ in range(args.depth)]
-    layers += [keras.layers.Dense(10, activation="softmax")]
-    model = keras.Sequential(layers)
+    if layers is not None:
+        layers += [keras.layers.Dense(10, activation="softmax")]
+        model = keras.Sequential(layers)
     keras_accumulates = variant.startswith("keras")
     extra = {"gradient_accumulation_steps": args.steps} if keras_accumulates else {}
     model.compile(optimizer=keras.optimizers.Adam(1e-3, **extra),
-                  loss="sparse_categorical_crossentropy")  # masked for "seq"
+                  loss="sparse_categorical_crossentropy")  # masked for "seq", per-token head
     batch_size = args.micro_batch * (args.steps if variant == "large" else 1)
     callbacks = []
     if variant.startswith("tfaccum"):
@@ -197,10 +211,12 @@ def measure_memory_of(variant, args, x, y):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("mlp", "cnn", "seq"), default="mlp",
+    parser.add_argument("--model", choices=("mlp", "cnn", "seq", "heads"), default="mlp",
                         help="mlp: 0.3M weights, tiny steps (the worst case for "
                         "per-step overhead); cnn: small conv net on 32x32 images; "
-                        "seq: masked embedding + GRU tagger on padded sequences")
+                        "seq: masked embedding + GRU tagger on padded sequences; heads: the "
+                        "same with a per-token and a per-sequence head (an accumulator per "
+                        "output)")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--samples", type=int, default=1024)

@@ -60,7 +60,7 @@ def stem_statistics(model):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="of fine-tuning (0: none)")
     parser.add_argument("--samples", type=int, default=1400, help="training images (of 1,400)")
     parser.add_argument("--logdir", default=None, help="TensorBoard log directory")
     args = parser.parse_args()
@@ -88,13 +88,14 @@ def main():
     if converted_difference > 1e-4:
         raise SystemExit("the converted layers did not pool the window's statistics")
 
-    print(f"Fine-tuning the converted model for {args.epochs} epochs ...")
-    model = converted  # the same callback: its traced step is reused
-    model.fit(x, y, batch_size=8, epochs=args.epochs, validation_data=validation, verbose=2,
-              callbacks=[accumulation])
-    _, accuracy = model.evaluate(*validation, verbose=0)
-    print(f"optimizer updates {accumulation.optimizer_steps}, micro-steps "
-          f"{accumulation.micro_steps}; validation accuracy {accuracy:.4f}")
+    if args.epochs:
+        print(f"Fine-tuning the converted model for {args.epochs} epochs ...")
+        model = converted  # the same callback: its traced step is reused
+        model.fit(x, y, batch_size=8, epochs=args.epochs, validation_data=validation,
+                  verbose=2, callbacks=[accumulation])
+        _, accuracy = model.evaluate(*validation, verbose=0)
+        print(f"optimizer updates {accumulation.optimizer_steps}, micro-steps "
+              f"{accumulation.micro_steps}; validation accuracy {accuracy:.4f}")
     if args.logdir:
         print(f"Summaries written to {args.logdir}: open TensorBoard's Accumulation tab.")
 

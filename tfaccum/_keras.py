@@ -368,16 +368,24 @@ def compiled_losses_of(container):
 
 
 def wrapped_losses_patch(container, wrap):
-    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss)`."""
+    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss, weight)`.
+
+    `weight` is the loss's `loss_weights` entry (`None` for none). Private:
+    `LossesContainer._loss_weights` (tf_keras 2.16-2.21, a flat list once built).
+    """
     entries = getattr(container, "_flat_losses", None)
     if entries:
         return "_flat_losses", [
-            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1])}) for entry in entries
+            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1], entry[2])})
+            for entry in entries
         ]
     names = list(getattr(container, "_output_names", None) or [])
     names += [None] * (len(container._losses) - len(names))
+    weights = list(getattr(container, "_loss_weights", None) or [])
+    weights += [None] * (len(container._losses) - len(weights))
     return "_losses", [
-        None if loss is None else wrap(name, loss) for name, loss in zip(names, container._losses)
+        None if loss is None else wrap(name, loss, weight)
+        for name, loss, weight in zip(names, container._losses, weights)
     ]
 
 

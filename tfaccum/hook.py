@@ -25,6 +25,7 @@ from tfaccum.patching import SharedPatches
 from tfaccum.schedule import check_steps
 from tfaccum.window import WINDOW_COUNTS
 from tfaccum.window import AccumulationWindow
+from tfaccum.window import OutputChannels
 
 REDUCTIONS = ("auto", "samples", "mean", "sum")
 SPARSE_GRADIENTS = ("rows", "dense")
@@ -72,6 +73,8 @@ class _Step:
     items: object = None  # an `ItemCount` under reduction="auto"
     weight: object = None  # the micro-batch's weight in its window, once known
     loss: object = None  # the step's loss (a mean), as the step computed it
+    tape: object = None  # a persistent tape around the step (reduction="auto", one replica)
+    uneven: object = None  # outputs that need their own window (`OutputChannels`)
 
 
 def _count_samples(data):
@@ -225,6 +228,7 @@ class AccumulationHook:
         self._loss_counting = None  # made at the first trace (reduction="auto")
         self._loss_seen = False  # whether the traced step showed its loss
         self._warn_items = OnceWarner()
+        self.channels = None  # `OutputChannels`, if the step's outputs count differently
         self.window = AccumulationWindow(
             self._strategy,
             sparse_rows=sparse_gradients == "rows" and not model.jit_compile,
@@ -319,6 +323,8 @@ class AccumulationHook:
                 "Create a new one with `tfaccum.install_accumulation_hook()`."
             )
         self.window.zero()
+        if self.channels is not None:
+            self.channels.reset()
         self._window_position.assign(0)
         for observer in self.observers:
             observer.on_reset()
@@ -453,7 +459,7 @@ class AccumulationHook:
         step = _Step(samples=_count_samples(data))
         # MirroredStrategy traces the step of each replica in its own thread.
         self._local.step = step
-        with self._optimizer_patches.active(), self._counting(step):
+        with self._optimizer_patches.active(), self._counting(step), self._recording(step):
             logs = self._train_step_patch.original()(data)
         if step.applies == 0 and not self.model.trainable_weights:
             # Nothing to train: Keras warns and skips the update; so do we.
@@ -484,6 +490,38 @@ class AccumulationHook:
         with self._loss_counting.counting() as items:
             step.items = items
             yield
+
+    @contextlib.contextmanager
+    def _recording(self, step):
+        """A persistent tape around the step, for outputs that count differently.
+
+        Each such output's gradient is taken from it in `_micro_step`. Inside
+        a traced step a tape nobody asks costs nothing at run time.
+        """
+        if self.reduction != "auto" or self._replicas > 1:
+            yield
+            return
+        with tf.GradientTape(persistent=True) as tape:
+            step.tape = tape
+            yield
+
+    def _uneven_outputs(self, step):
+        """The outputs this step accumulates in windows of their own (or `[]`)."""
+        if step.uneven is None:
+            step.uneven = []
+            if step.items is not None:
+                uneven = step.items.uneven_outputs()
+                if uneven and all(output.count is not None for output in uneven):
+                    if step.tape is None:
+                        self._warn_items(
+                            [output.name for output in uneven],
+                            "several outputs whose losses average over different "
+                            "counts need an accumulator each, which tfaccum does "
+                            f"not keep with {self._replicas} replicas yet",
+                        )
+                    else:
+                        step.uneven = uneven
+        return step.uneven
 
     def _weight(self, step):
         """The micro-batch's weight in its window (int64), resolved once."""
@@ -523,7 +561,7 @@ class AccumulationHook:
         if tf.is_tensor(loss):
             step.loss = loss
         result = self._loss_patch.original()(loss, *args, **kwargs)
-        if self._weights_in_loss:
+        if self._weights_in_loss and not self._uneven_outputs(step):
             step.weighted_by_loss = True
             result = result * tf.cast(self._weight(step), result.dtype)
         return result
@@ -546,6 +584,23 @@ class AccumulationHook:
             self._api.build_optimizer(self._optimizer, variables)
         samples = step.samples
         items = self._weight(step)
+        uneven = self._uneven_outputs(step)
+        window_grads, window_loss = grads, step.loss
+        if uneven:
+            window_grads, per_output = self._split_by_output(step, uneven, grads, variables)
+            if window_loss is not None:  # what the outputs' windows do not hold
+                window_loss = window_loss - tf.add_n([
+                    tf.cast(o.value, window_loss.dtype) * (1.0 if o.weight is None else o.weight)
+                    for o in uneven])
+            if self.channels is None:
+                self.channels = OutputChannels(
+                    self._strategy, [o.name for o in uneven], [o.weight for o in uneven],
+                    sparse_rows=window.sparse_rows)
+            elif self.channels.names != [o.name for o in uneven]:
+                raise ValueError(
+                    f"The outputs whose losses count differently changed between "
+                    f"traces: {self.channels.names} then {[o.name for o in uneven]}.")
+            self.channels.track(per_output, variables)
         gradient_scale = self._api.loss_scale(self._optimizer)
         if step.weighted_by_loss:
             weight = tf.cast(items, tf.float32)
@@ -565,8 +620,12 @@ class AccumulationHook:
 
         def add():
             window.add(
-                grads, variables, items if weighted else None, loss=step.loss, items=items
+                window_grads, variables, items if weighted else None, loss=window_loss,
+                items=items,
             )
+            if uneven:
+                self.channels.add(per_output, variables, [o.count for o in uneven],
+                                  [o.value for o in uneven])
             for observer in self.observers:
                 observer.on_micro_step(micro)
             return counts.delta(
@@ -614,6 +673,29 @@ class AccumulationHook:
         )
         _keras.keep_as_function_call(applied)
 
+    def _split_by_output(self, step, uneven, grads, variables):
+        """Each uneven output's share of `grads`, and the rest.
+
+        An output's share is its loss's gradient taken from the step's tape,
+        times its loss weight and the optimizer's loss scale: in the units of
+        `grads`. The rest (outputs that count samples, regularization) is
+        `grads` minus the shares.
+        """
+        scale = self._api.loss_scale(self._optimizer)
+        per_output = []
+        with step.tape.stop_recording():
+            for output in uneven:
+                factor = 1.0 if output.weight is None else float(output.weight)
+                shares = step.tape.gradient(output.value, variables)
+                per_output.append([
+                    _share_like(grad, share, factor, scale, variable)
+                    for grad, share, variable in zip(grads, shares, variables)
+                ])
+        rest = [
+            _minus(grad, [shares[i] for shares in per_output]) for i, grad in enumerate(grads)
+        ]
+        return rest, per_output
+
     def _warn_if_densified(self, grads, variables):
         if self._warned_dense or self.sparse_gradients != "rows":
             return
@@ -646,6 +728,8 @@ class AccumulationHook:
             factor = self._api.lower_loss_scale(optimizer)
             if factor is not None:
                 self.window.scale(factor)
+                if self.channels is not None:
+                    self.channels.scale(factor)
 
     def _end_window_if_full_on_replicas(self, strategy):
         # Every replica, on every worker, holds the same position: read this
@@ -715,6 +799,8 @@ class AccumulationHook:
         local = self._local_window()
         window = local if window is None else window
         grads = self.window.gradients(self._denominator(window))
+        if self.channels is not None:
+            grads = self.channels.combine(grads)
         variables = self.window.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before apply
         self._api.apply(self._apply_patch.original(), grads, variables)
@@ -740,11 +826,16 @@ class AccumulationHook:
         Keras divides each replica's loss by the number of replicas: undone.
         """
         items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
-        return window["loss_sum"] / items * self._replicas
+        loss = window["loss_sum"] / items * self._replicas
+        if self.channels is not None:
+            loss += self.channels.loss()
+        return loss
 
     def _reset(self, local_window, **extra_counts):
         """Empties the window: accumulators, observers and this replica's window counts."""
         self.window.reset()
+        if self.channels is not None:
+            self.channels.reset()
         for observer in self.observers:
             observer.on_reset()
         if self._replicas > 1:
@@ -807,6 +898,42 @@ class AccumulationHook:
         with self._strategy.scope():
             micro_batches, samples = self._drop_function()
         return Window(int(micro_batches), int(samples))
+
+
+def _share_like(grad, share, factor, scale, variable):
+    """`share * factor * scale` in the form of `grad` (`None`, dense or the same rows)."""
+    if grad is None:
+        return None
+    if share is None:  # this output does not reach the variable
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices, grad.dense_shape)
+        return tf.zeros_like(grad)
+    if isinstance(grad, tf.IndexedSlices) != isinstance(share, tf.IndexedSlices):
+        if isinstance(grad, tf.IndexedSlices):
+            raise ValueError(
+                f"Variable {variable.name!r} receives a sparse gradient from the "
+                "whole loss but a dense one from one output's loss: tfaccum cannot "
+                "split it by output. Pass sparse_gradients=\"dense\" to the callback."
+            )
+        share = tf.convert_to_tensor(share)
+
+    def scaled(values):
+        values = tf.cast(values, grad.dtype) * factor
+        return values if scale is None else values * tf.cast(scale, values.dtype)
+
+    if isinstance(share, tf.IndexedSlices):
+        return tf.IndexedSlices(scaled(share.values), share.indices, share.dense_shape)
+    return scaled(share)
+
+
+def _minus(grad, shares):
+    """`grad` minus `shares` (each `None` where `grad` is; rows of the same indices)."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        values = grad.values - tf.add_n([share.values for share in shares])
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return grad - tf.add_n(shares)
 
 
 def _all_finite(grads):

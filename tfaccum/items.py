@@ -10,6 +10,7 @@ count for Keras' compiled losses while the train step traces, and gives
 custom steps and losses a way to say it themselves: `count_items()`.
 """
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -22,44 +23,54 @@ from tfaccum.patching import InstancePatch
 _current = threading.local()  # the `ItemCount` of the step tracing in this thread
 
 
+# One compiled loss as a step computed it: its output's name, its count (an
+# int64 tensor, `None` where it cannot be known), whether that count is a
+# fixed multiple of the samples, the loss's value (a mean over its count) and
+# its `loss_weights` entry (`None` for none).
+CountedOutput = collections.namedtuple(
+    "CountedOutput", "name count proportional value weight")
+
+
 class ItemCount:
     """What the loss of the micro-step being traced averages over.
 
-    `per_output` holds, for each compiled loss, its name and count (an int64
-    tensor, `None` where it cannot be known), and whether the count is a
-    fixed multiple of the micro-batch's samples. `explicit` is a count given
-    with `count_items()`.
+    `per_output` holds a `CountedOutput` per compiled loss. `explicit` is a
+    count given with `count_items()`.
     """
 
     def __init__(self):
-        self.per_output = []  # (name, count or None, proportional to samples)
+        self.per_output = []
         self.explicit = None
+
+    def uneven_outputs(self):
+        """Outputs that need their own accumulator: several compiled losses,
+        these averaging over counts that are no fixed multiple of the samples.
+        Empty when one weight per micro-batch is exact."""
+        if self.explicit is not None or len(self.per_output) < 2:
+            return []
+        return [output for output in self.per_output if not output.proportional]
 
     def resolve(self, samples, warn):
         """The micro-batch's weight in its window, as an int64 tensor.
 
         An explicit count wins. One compiled loss: its count. Several: the
-        samples, exact only if every loss averages over a fixed number of
-        elements per sample; `warn(names, reason)` is called otherwise.
+        samples, exact when every loss averages over a fixed number of
+        elements per sample; those that do not (`uneven_outputs()`) each
+        need an accumulator of their own, which the hook adds.
         """
         if self.explicit is not None:
             return self.explicit
         if not self.per_output:
             return samples
         if len(self.per_output) == 1:
-            name, count, _ = self.per_output[0]
-            if count is None:
-                warn([name], "its loss does not say what it averages over")
+            output = self.per_output[0]
+            if output.count is None:
+                warn([output.name], "its loss does not say what it averages over")
                 return samples
-            return count
-        uneven = [name for name, _, proportional in self.per_output if not proportional]
-        if uneven:
-            warn(
-                uneven,
-                "several outputs whose losses average over different counts "
-                "(masks, ignore_class or varying lengths) would need one "
-                "accumulator per output",
-            )
+            return output.count
+        unknown = [output.name for output in self.uneven_outputs() if output.count is None]
+        if unknown:
+            warn(unknown, "its loss does not say what it averages over")
         return samples
 
 
@@ -159,7 +170,7 @@ class LossCounting:
         container = self._compile_loss
         originals = _keras.compiled_losses_of(container)
         attribute, wrapped = _keras.wrapped_losses_patch(
-            container, lambda name, loss: _Counted(loss, name)
+            container, lambda name, loss, weight: _Counted(loss, name, weight)
         )
         self._apply(InstancePatch(container, attribute, wrapped))
         for _, loss in originals:
@@ -186,9 +197,10 @@ def _capturing(loss):
 class _Counted:
     """A compiled loss that records its count, and computes what it did."""
 
-    def __init__(self, loss, name):
+    def __init__(self, loss, name, weight=None):
         self.loss = loss
         self.name = name or getattr(loss, "name", None) or repr(loss)
+        self.weight = weight
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         count = getattr(_current, "count", None)
@@ -200,7 +212,8 @@ class _Counted:
         divisor, proportional = _keras.loss_divisor(
             self.loss, _current.values, mask, sample_weight
         )
-        count.per_output.append((self.name, divisor, proportional))
+        count.per_output.append(
+            CountedOutput(self.name, divisor, proportional, value, self.weight))
         return value
 
     def __getattr__(self, name):

@@ -343,6 +343,82 @@ class AccumulationWindow:
         self.counts.zero()
 
 
+class OutputChannels:
+    """One more window per output whose loss averages over a count of its own.
+
+    A model whose outputs are masked differently (a per-token head and a
+    per-sequence head) divides each output's loss by its own count; the large
+    batch divides each by its window total. One weight per micro-batch cannot
+    do that: each such output's gradient is accumulated here, weighted by its
+    count and divided by its window's total, and the hook's main window keeps
+    the rest (outputs that count samples, regularization), weighted by samples.
+    Memory: one more accumulator per variable per such output.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy (one replica).
+        names: The outputs' names, in the order their gradients come.
+        weights: Their `loss_weights` entries (`None` for 1).
+        sparse_rows: As `AccumulationWindow`'s.
+    """
+
+    def __init__(self, strategy, names, weights, *, sparse_rows=True):
+        self.names = list(names)
+        self.weights = [1.0 if w is None else float(w) for w in weights]
+        self.windows = [AccumulationWindow(strategy, sparse_rows=sparse_rows) for _ in names]
+
+    def track(self, grads_per_output, variables):
+        for window, grads in zip(self.windows, grads_per_output):
+            window.track(grads, variables)
+
+    def add(self, grads_per_output, variables, counts, values):
+        """Adds each output's gradient times its count (its loss as a sum)."""
+        for window, grads, count, value in zip(self.windows, grads_per_output, counts, values):
+            window.add(grads, variables, count, loss=value, items=count)
+            window.counts.add(window.counts.delta(window_items=count))
+
+    def totals(self):
+        """Each output's count over the window (float64, at least 1)."""
+        return [
+            tf.maximum(tf.cast(window.counts.read()["window_items"], tf.float64), 1.0)
+            for window in self.windows
+        ]
+
+    def combine(self, grads):
+        """`grads` (the main window's, normalised) plus each output's, normalised."""
+        for window, total in zip(self.windows, self.totals()):
+            grads = [_add(a, b) for a, b in zip(grads, window.gradients(total))]
+        return grads
+
+    def loss(self):
+        """The outputs' part of the window's loss: each weighted mean over its total."""
+        return tf.add_n([
+            weight * window.loss_sum.read_value() / total
+            for weight, window, total in zip(self.weights, self.windows, self.totals())
+        ])
+
+    def scale(self, factor):
+        for window in self.windows:
+            window.scale(factor)
+
+    def reset(self):
+        for window in self.windows:
+            window.zero()
+
+    def nbytes(self):
+        return sum(window.nbytes() for window in self.windows)
+
+
+def _add(a, b):
+    """The sum of two gradients of one variable (`IndexedSlices` of the same rows add values)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(a.values + b.values, a.indices, a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
 def _accumulator_dtype(variable):
     dtype = tf.as_dtype(variable.dtype)
     return tf.float64 if dtype == tf.float64 else tf.float32

@@ -1,0 +1,28 @@
+"""The examples on real models (keras_hub, Keras applications) run and report what they claim.
+
+Apart from test_examples.py so that the two slowest files run side by side.
+"""
+
+import re
+
+from test_examples import dashboard_runs
+from test_examples import run
+
+
+def test_finetune_causal_lm_is_token_exact_offline(tmp_path):
+    out = run("examples/finetune_causal_lm.py", "--epochs", "1", "--logdir", str(tmp_path))
+    assert float(re.search(r"largest weight difference: (\S+)", out).group(1)) < 1e-5
+    updates = int(re.search(r"optimizer updates: (\d+) \(batch 16\), (\d+)", out).group(2))
+    assert re.search(rf"optimizer updates: {updates} \(batch 16\)", out)
+    assert dashboard_runs(tmp_path) == {"4x4": updates}
+
+
+def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
+    out = run("examples/transfer_learning_bn.py", "--epochs", "1", "--samples", "32",
+              "--logdir", str(tmp_path))
+    assert "Converted 27 BatchNormalization layers" in out
+    converted = float(re.search(r"converted, 4 x 8 accumulated vs batch 32: (\S+)", out).group(1))
+    plain = float(re.search(r"plain BatchNormalization, 4 x 8 vs batch 32: (\S+)", out).group(1))
+    assert converted < 1e-5 < 1e-4 < plain
+    assert re.search(r"optimizer updates 1, micro-steps 4", out)
+    assert dashboard_runs(tmp_path) == {"mobilenet-4x8": 2}  # the window shown first, then 1
