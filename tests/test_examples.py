@@ -59,23 +59,8 @@ def test_throughput_benchmark_table():
 
 
 def test_quickstart_writes_the_demo_dashboard(tmp_path):
-    from tensorboard.backend.event_processing import data_provider
-    from tensorboard.backend.event_processing import plugin_event_multiplexer
-    from tensorboard.plugins import base_plugin
-
-    from tb_plugin.plugin import AccumulationPlugin
-
     run("examples/quickstart.py", "--epochs", "1", "--logdir", str(tmp_path))
-    multiplexer = plugin_event_multiplexer.EventMultiplexer(
-        tensor_size_guidance={"accumulation": 0})
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
-    multiplexer.Reload()
-    plugin = AccumulationPlugin(base_plugin.TBContext(
-        data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))))
-    from tensorboard import context
-
-    runs = plugin.runs_impl(context.RequestContext(), "")["runs"]
-    assert [(r["run"], r["updates"]) for r in runs] == [("16x4", 22), ("8x8", 22)]
+    assert dashboard_runs(tmp_path) == {"16x4": 22, "8x8": 22}
 
 
 def dashboard_runs(log_dir):
