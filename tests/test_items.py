@@ -321,3 +321,15 @@ def test_mask_with_class_weight():
     class_weight = {c: 0.5 + c for c in range(CLASSES)}
     results = compare(build, tokens, classes, class_weight=class_weight)
     assert results["auto"] < TOL
+
+
+def test_a_loss_that_returns_a_python_number():
+    """As Keras' own ragged tests do (a model without weights): counted as one element."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Rescaling(2.0)])
+    model.compile(optimizer="sgd", loss=lambda y_true, y_pred: 0)
+    x = np.ones((8, 3), "float32")
+    callback = GradientAccumulationCallback(accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: nothing to train
+        model.fit(x, x, batch_size=2, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.micro_steps == 4

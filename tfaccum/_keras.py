@@ -412,6 +412,7 @@ def loss_divisor(loss, values, mask, sample_weight):
         mask = own if mask is None else tf.logical_and(tf.cast(mask, tf.bool), tf.cast(own, tf.bool))
     if mask is not None:
         return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int64)), tf.int64), False
+    values = tf.convert_to_tensor(values)  # a loss may return a Python number
     shape = values.shape
     size = tf.size(values, out_type=tf.int64)
     if sample_weight is not None:

@@ -21,6 +21,8 @@ def squared_norm(grads):
         # the cheapest of five ways measured on the CPU (this runs every
         # micro-step; benchmarks/throughput.py measures what it costs).
         total.append(tf.nn.l2_loss(grad))
+    if not total:  # no gradient at all (a loss that does not reach the weights)
+        return tf.constant(0.0)
     return 2.0 * tf.add_n(total)
 
 
