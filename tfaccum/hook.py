@@ -587,11 +587,6 @@ class AccumulationHook:
         uneven = self._uneven_outputs(step)
         window_grads, window_loss = grads, step.loss
         if uneven:
-            window_grads, per_output = self._split_by_output(step, uneven, grads, variables)
-            if window_loss is not None:  # what the outputs' windows do not hold
-                window_loss = window_loss - tf.add_n([
-                    tf.cast(o.value, window_loss.dtype) * (1.0 if o.weight is None else o.weight)
-                    for o in uneven])
             if self.channels is None:
                 self.channels = OutputChannels(
                     self._strategy, [o.name for o in uneven], [o.weight for o in uneven],
@@ -600,6 +595,11 @@ class AccumulationHook:
                 raise ValueError(
                     f"The outputs whose losses count differently changed between "
                     f"traces: {self.channels.names} then {[o.name for o in uneven]}.")
+            window_grads, per_output = self._split_by_output(step, uneven, grads, variables)
+            if window_loss is not None:  # what the outputs' windows do not hold
+                window_loss = window_loss - tf.add_n([
+                    tf.cast(o.value, window_loss.dtype) * weight
+                    for o, weight in zip(uneven, self.channels.weights)])
             self.channels.track(per_output, variables)
         gradient_scale = self._api.loss_scale(self._optimizer)
         if step.weighted_by_loss:
@@ -677,15 +677,14 @@ class AccumulationHook:
         """Each uneven output's share of `grads`, and the rest.
 
         An output's share is its loss's gradient taken from the step's tape,
-        times its loss weight and the optimizer's loss scale: in the units of
-        `grads`. The rest (outputs that count samples, regularization) is
-        `grads` minus the shares.
+        times its loss weight (`self.channels.weights`) and the optimizer's
+        loss scale: in the units of `grads`. The rest (outputs that count
+        samples, regularization) is `grads` minus the shares.
         """
         scale = self._api.loss_scale(self._optimizer)
         per_output = []
         with step.tape.stop_recording():
-            for output in uneven:
-                factor = 1.0 if output.weight is None else float(output.weight)
+            for output, factor in zip(uneven, self.channels.weights):
                 shares = step.tape.gradient(output.value, variables)
                 per_output.append([
                     _share_like(grad, share, factor, scale, variable)

@@ -52,11 +52,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
         ndims = len(x.shape)
         axes = [i for i in range(ndims) if i not in self.axis]
         mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
-        if mask is None:
-            count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), tf.float32)
-        else:
-            count = tf.reduce_sum(tf.cast(mask, tf.float32))
-        window.stage(count, mean, variance)
+        window.stage(self._sample_count(x, mask, axes), mean, variance)
         shape = [1] * ndims
         for axis in self.axis:
             shape[axis] = x.shape[axis]

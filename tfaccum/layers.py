@@ -161,6 +161,13 @@ class WindowedMoments:
     def _set_window(self, window):
         object.__setattr__(self, "_window", window)  # untracked: not a weight
 
+    @staticmethod
+    def _sample_count(inputs, mask, axes):
+        """How many values each statistic was computed from (over `axes`, or the mask)."""
+        if mask is not None:
+            return tf.reduce_sum(tf.cast(mask, tf.float32))
+        return tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
+
     def _window_variance(self, variance, count):
         """The variance the moving statistics move towards (the biased one)."""
         return variance
@@ -227,7 +234,8 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
         # left to the end of the window.
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         mean, variance = _keras.batch_norm_moments(self, inputs, mask)
-        window.stage(self._sample_count(inputs, mask), mean, variance)
+        count = self._sample_count(inputs, mask, _keras.batch_norm_reduction_axes(self))
+        window.stage(count, mean, variance)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(
@@ -240,17 +248,6 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
-
-    def _sample_count(self, inputs, mask):
-        """How many values each statistic was computed from."""
-        if mask is not None:
-            count = tf.reduce_sum(tf.cast(mask, tf.float32))
-        else:
-            shape = tf.shape(inputs)
-            count = tf.cast(
-                tf.reduce_prod(tf.gather(shape, _keras.batch_norm_reduction_axes(self))), tf.float32
-            )
-        return count
 
 
 def accumulating_layers(model):
