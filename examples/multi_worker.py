@@ -68,16 +68,22 @@ def build_model(keras, seed=0):
     return model
 
 
-def count_all_reduces(optimizer, counter):
-    """Counts, at run time, how often `optimizer` all-reduces gradients."""
-    aggregate = optimizer.aggregate_gradients
+def count_all_reduces(counter):
+    """Counts, at run time, the all-reduces made from a replica's step.
 
-    def counting(grads_and_vars):
-        reduced = aggregate(grads_and_vars)
-        counter.assign_add(1)
+    The accumulator all-reduces a window's gradients that way, once per update.
+    """
+    import tensorflow as tf
+
+    all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def counting(context, reduce_op, value, options=None):
+        reduced = all_reduce(context, reduce_op, value, options)
+        with tf.control_dependencies(tf.nest.flatten(reduced)):
+            counter.assign_add(1)
         return reduced
 
-    optimizer.aggregate_gradients = counting
+    tf.distribute.ReplicaContext.all_reduce = counting
 
 
 def train(args):
@@ -94,7 +100,7 @@ def train(args):
     with strategy.scope():
         model = build_model(keras)
     all_reduces = tf.Variable(0, dtype=tf.int64, trainable=False)
-    count_all_reduces(model.optimizer, all_reduces)
+    count_all_reduces(all_reduces)
     # Every worker runs the same callbacks: reading the accumulator's counters
     # sums them over the workers, which all must take part in.
     callback = GradientAccumulationCallback(

@@ -158,3 +158,24 @@ def test_unsupported_combinations_are_refused(kwargs, message):
     x, y = make_data(n=16)
     with pytest.raises(ValueError, match=message):
         fit_mirrored("sgd", x, y, **kwargs)
+
+
+CLIPPING = {
+    "clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.SGD(0.05, clipvalue=0.01),
+}
+
+
+@pytest.mark.parametrize("clipping", sorted(CLIPPING))
+def test_clipping_applies_to_the_all_reduced_window(clipping):
+    # One device at the large batch clips the whole batch's gradient; plain
+    # Keras 3 under MirroredStrategy clips each replica's share before summing.
+    x, y = make_data(n=99)
+    reference = make_model(optimizer=CLIPPING[clipping])
+    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    model, _ = fit_mirrored(CLIPPING[clipping], x, y)
+    assert max_weight_diff(reference, model) < TOL
+    unclipped = make_model(optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    unclipped.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    assert max_weight_diff(reference, unclipped) > 1e-2  # the clipping is active

@@ -14,6 +14,7 @@ smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.5.0,
 tf_keras 2.16.0).
 """
 
+import contextlib
 import inspect
 import sys
 
@@ -82,6 +83,40 @@ class Keras3:
     def apply(apply, grads, variables):
         """Calls `apply`, the optimizer's own (unpatched) `apply` method."""
         apply(grads, variables)
+
+    @staticmethod
+    def apply_all_reduced(apply, grads, variables):
+        """Calls `apply` with gradients all-reduced here, in a replica context.
+
+        Keras' own reduction must be off (`own_reduction_off`); returns the
+        reduced gradients.
+        """
+        grads = all_reduce_sum(grads)
+        apply(grads, variables)
+        return grads
+
+    @staticmethod
+    @contextlib.contextmanager
+    def own_reduction_off(optimizer):
+        """Switches off the optimizer's all-reduce, in the cross-replica context.
+
+        Keras 3 clips each replica's gradients before summing them; reduced
+        by `apply_all_reduced` first, they are clipped as on one device, and
+        cross devices once. Private: `_all_reduce_sum_gradients` of the
+        TensorFlow optimizer (Keras 3.7-3.15).
+        """
+        target = getattr(optimizer, "inner_optimizer", None) or optimizer
+        if not hasattr(target, "_all_reduce_sum_gradients"):
+            raise RuntimeError(
+                "This Keras version's optimizer has no `_all_reduce_sum_gradients`; "
+                "tfaccum cannot apply a window across replicas with it. Received: "
+                f"{type(target).__name__} from Keras {keras.__version__}"
+            )
+        target.__dict__["_all_reduce_sum_gradients"] = list
+        try:
+            yield
+        finally:
+            del target.__dict__["_all_reduce_sum_gradients"]
 
     @staticmethod
     def build_optimizer(optimizer, variables):
@@ -171,6 +206,25 @@ class TfKeras:
         apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
 
     @staticmethod
+    def own_reduction_off(optimizer):
+        """Nothing to switch off: `apply_all_reduced` says it by argument."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def apply_all_reduced(apply_gradients, grads, variables):
+        """Calls `apply_gradients` with gradients all-reduced here, in a replica context.
+
+        Its own aggregation is switched off by its public argument (new
+        optimizers take it as a keyword too).
+        """
+        grads = all_reduce_sum(grads)
+        apply_gradients(
+            [(g, v) for g, v in zip(grads, variables) if g is not None],
+            experimental_aggregate_gradients=False,
+        )
+        return grads
+
+    @staticmethod
     def build_optimizer(optimizer, variables):
         """Creates the optimizer's variables now, outside the update's branch."""
         if hasattr(optimizer, "build"):
@@ -209,6 +263,17 @@ class TfKeras:
             tf.maximum(state.current_loss_scale / state.multiplier, 1.0)
         )
         return None  # the window holds unscaled gradients: keep it
+
+
+def all_reduce_sum(grads):
+    """`grads` summed over replicas (one batched all-reduce; `None` kept)."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return list(grads)
+    reduced = iter(
+        tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present)
+    )
+    return [None if g is None else next(reduced) for g in grads]
 
 
 def is_model(value):

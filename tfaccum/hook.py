@@ -748,9 +748,10 @@ class AccumulationHook:
         return window
 
     def _apply_on_replicas(self, window, **extra_counts):
-        self._strategy.extended.call_for_each_replica(
-            self._apply_window, kwargs=dict(window=window, **extra_counts)
-        )
+        with self._api.own_reduction_off(self._optimizer):
+            self._strategy.extended.call_for_each_replica(
+                self._apply_window, kwargs=dict(window=window, **extra_counts)
+            )
         return tf.constant(True)
 
     def _end_window(self, **extra_counts):
@@ -802,7 +803,13 @@ class AccumulationHook:
             grads = self.channels.combine(grads)
         variables = self.window.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before apply
-        self._api.apply(self._apply_patch.original(), grads, variables)
+        if self._replicas > 1:
+            # Applied as on one device: the optimizer receives (and clips)
+            # the window's gradient summed over replicas.
+            grads = self._api.apply_all_reduced(
+                self._apply_patch.original(), grads, variables)
+        else:
+            self._api.apply(self._apply_patch.original(), grads, variables)
         update = Update(
             grads=grads,
             variables=variables,
