@@ -101,10 +101,14 @@ def train(args):
         model = build_model(keras)
     all_reduces = tf.Variable(0, dtype=tf.int64, trainable=False)
     count_all_reduces(all_reduces)
-    # Every worker runs the same callbacks: reading the accumulator's counters
-    # sums them over the workers, which all must take part in.
+    # Every worker needs the callback: it is what accumulates. What only
+    # shows (`verbose`, `log_dir`) can be the chief's alone: counters are
+    # read locally and the summaries start no collective.
+    chief = index == 0
     callback = GradientAccumulationCallback(
-        accumulation_steps=args.accumulation_steps, verbose=1
+        accumulation_steps=args.accumulation_steps,
+        verbose=1 if chief else 0,
+        log_dir=args.logdir if chief else None,
     )
     model.fit(
         x,
@@ -187,6 +191,8 @@ def main(argv=None):
     parser.add_argument("--accumulation-steps", type=int, default=4)
     parser.add_argument("--samples", type=int, default=None, help="use the first N samples")
     parser.add_argument("--save", default=None, help="directory for each worker's weights")
+    parser.add_argument("--logdir", default=None,
+                        help="the chief's TensorBoard log directory (Accumulation tab)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds (launcher)")
     args = parser.parse_args(argv)
     if args.workers:

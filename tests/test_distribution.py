@@ -1,5 +1,6 @@
 """Accumulation under tf.distribute.MirroredStrategy on two logical CPUs, graph mode."""
 
+from conftest import KERAS
 from conftest import keras
 import numpy as np
 import pytest
@@ -8,6 +9,17 @@ from conftest import make_data
 from conftest import make_model
 from conftest import max_weight_diff
 
+from test_nonfinite import loss_scale
+from test_nonfinite import scaled_adam
+from test_noise_scale import exact_noise_scale
+from test_noise_scale import frozen_linear_model
+from test_noise_scale import regression
+from test_summary import global_norm
+from test_summary import gradients
+from test_summary import read_run
+from test_summary import values
+
+from tb_plugin import metadata
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 
@@ -49,12 +61,12 @@ def mirrored(cross_device_ops=None):
         devices, cross_device_ops=cross_device_ops or tf.distribute.ReductionToOneDevice())
 
 
-def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, **callback_kwargs):
+def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, epochs=3, **callback_kwargs):
     strategy = strategy or mirrored()
     with strategy.scope():
         model = make_model(optimizer=optimizer)
     callback = GradientAccumulationCallback(accumulation_steps=4, **callback_kwargs)
-    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
               sample_weight=sample_weight, callbacks=[callback])
     return model, callback
 
@@ -83,13 +95,20 @@ def test_mirrored_with_sample_weight():
     assert max_weight_diff(reference, model) < TOL
 
 
-def test_gradients_are_all_reduced_once_per_update():
+@pytest.mark.parametrize("observed", [False, True], ids=["plain", "log_dir-and-noise-scale"])
+def test_gradients_are_all_reduced_once_per_update(observed, tmp_path):
+    # The dashboard and the noise scale add no reduction: they read the
+    # first replica's micro-batches and the window the update reduces anyway.
     x, y = make_data()
     counter = CountingReduction()
     strategy = mirrored(counter)
     with strategy.scope():
         counter.count = tf.Variable(0, dtype=tf.int64, trainable=False)
-    model, callback = fit_mirrored("sgd", x, y, strategy=strategy)
+    extra = dict(log_dir=str(tmp_path), noise_scale=True) if observed else {}
+    model, callback = fit_mirrored("sgd", x, y, strategy=strategy, **extra)
+    if observed:
+        assert callback.noise_scale is not None
+        assert read_run(str(tmp_path))[0]
     # Keras reduces the gradients (one batch) per update; the 39 micro-steps
     # reduce nothing: replicas decide that a window is full each on its own.
     assert callback.micro_steps == 39 and callback.optimizer_steps == 12
@@ -146,19 +165,12 @@ def test_leftover_drop_and_carry_under_mirrored():
             assert callback.optimizer_steps == 10 and callback.flushes == 1
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(log_dir="unused"), r"summaries \(log_dir\) with several replicas is not supported yet"),
-        (dict(skip_nonfinite=True), r"skip_nonfinite \(and mixed precision\) with several replicas"),
-        (dict(noise_scale=True), r"the noise scale with several replicas is not supported yet"),
-    ],
-)
-def test_unsupported_combinations_are_refused(kwargs, message):
+def test_skip_nonfinite_with_reduction_mean_is_refused():
     x, y = make_data(n=16)
-    with pytest.raises(ValueError, match=message):
-        fit_mirrored("sgd", x, y, **kwargs)
-
+    with pytest.raises(ValueError, match=(
+            r"skip_nonfinite \(and mixed precision\) with several replicas leaves out one "
+            r"replica's share .* Received: reduction='mean' with skip_nonfinite=True")):
+        fit_mirrored("sgd", x, y, skip_nonfinite=True, reduction="mean")
 
 CLIPPING = {
     "clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.05),
@@ -179,3 +191,111 @@ def test_clipping_applies_to_the_all_reduced_window(clipping):
     unclipped = make_model(optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9))
     unclipped.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     assert max_weight_diff(reference, unclipped) > 1e-2  # the clipping is active
+
+
+def test_dashboard_series_are_those_of_the_global_window(tmp_path):
+    # The same windows on one device (micro-batch 8, 4 per window) and on two
+    # replicas (4 samples each per micro-batch): the same updates, written once.
+    x, y = make_data()
+    single = make_model(optimizer="adam")
+    single.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+        GradientAccumulationCallback(accumulation_steps=4, log_dir=str(tmp_path / "one"))])
+    model, callback = fit_mirrored("adam", x, y, log_dir=str(tmp_path / "two"))
+    assert max_weight_diff(single, model) < TOL
+    expected, _ = read_run(str(tmp_path / "one"))
+    series, _ = read_run(str(tmp_path / "two"))
+    whole_window = ["applied_gradient_norm", "window_micro_batches", "window_samples",
+                    "window_items", "window_loss", "micro_steps", "skipped_updates",
+                    "leftover/policy", "leftover/micro_batches", "leftover/samples"]
+    for name in whole_window:
+        np.testing.assert_allclose(values(series, name), values(expected, name), rtol=1e-5,
+                                   err_msg=name)
+    assert values(series, "window_samples") == [32, 32, 32, 4] * 3
+    # Per variable (the layers' auto-numbered names differ; their order not).
+    def per_variable(run):
+        tags = sorted(t for t in run if t.startswith(metadata.ACCUMULATOR_PREFIX))
+        return [[float(v) for _, v in run[tag]] for tag in tags]
+
+    assert len(per_variable(series)) == len(per_variable(expected)) == 4
+    np.testing.assert_allclose(per_variable(series), per_variable(expected), rtol=1e-5)
+    # Micro-batch norms: the first replica's shares (the first 4 samples of
+    # each micro-batch of 8), with the first window's weights.
+    initial = make_model(optimizer="adam")
+    shares = [global_norm(gradients(initial, x[i:i + 4], y[i:i + 4])) for i in range(0, 32, 8)]
+    assert values(series, "micro_norm_mean")[0] == pytest.approx(np.mean(shares), rel=1e-5)
+    assert values(series, "micro_norm_max")[0] == pytest.approx(max(shares), rel=1e-5)
+    assert callback.samples == 300 and callback.micro_steps == 39
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_noise_scale_agrees_with_per_example_gradients(seed):
+    """As on one device (test_noise_scale): within 35% of the exact value.
+
+    Small batches: the first replica's 8 samples of each micro-batch of 16;
+    big: the window of 8 such micro-batches, summed over both replicas.
+    """
+    x, y = regression()
+    strategy = mirrored()
+    with strategy.scope():
+        model = frozen_linear_model()
+    exact = exact_noise_scale(model, x, y)
+    keras.utils.set_random_seed(100 + seed)
+    callback = GradientAccumulationCallback(accumulation_steps=8)
+    model.fit(x, y, batch_size=16, epochs=4, shuffle=True, verbose=0, callbacks=[callback])
+    assert callback.estimator.micro_batch_size == 8
+    assert callback.noise_scale == pytest.approx(exact, rel=0.35)
+
+
+def poisoned_data():
+    """32 samples; sample 10 overflows in float16 (see test_nonfinite). In the
+    second micro-batch of 8 it is in the first replica's share (8-11)."""
+    x, y = make_data(n=32)
+    y[10, 0] = 1e5
+    return x, y
+
+
+def test_mixed_precision_leaves_out_one_replicas_share(mixed_precision):
+    # The window is then the large batch of the other 28 samples.
+    x, y = poisoned_data()
+    model, callback = fit_mirrored(scaled_adam, x, y, epochs=1)
+    assert callback.hook.skip_nonfinite is True
+    assert callback.nonfinite_skips == 1 and callback.optimizer_steps == 1
+    assert callback.samples == 28 and callback.micro_steps == 4
+    # Lowered once (from 2**8), alike on every replica.
+    scale = loss_scale(model.optimizer)
+    scale = getattr(scale, "value", scale)  # Keras 3: the tf.Variable inside
+    if KERAS == "tf_keras":
+        scale = model.optimizer._loss_scale.current_loss_scale
+    scales = model.distribute_strategy.experimental_local_results(scale)
+    assert [float(s.numpy()) for s in scales] == [2.0**7] * 2
+    keep = np.r_[0:8, 12:32]
+    reference = make_model(optimizer=scaled_adam)
+    reference.fit(x[keep], y[keep], batch_size=28, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(reference, model) < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_equals_one_device(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = make_data()
+        optimizer = scaled_adam if policy == "mixed_float16" else "adam"
+        reference = make_model(optimizer=optimizer)
+        reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+        model, callback = fit_mirrored(optimizer, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert callback.nonfinite_skips == 0 and callback.optimizer_steps == 12
+    # As on one device (test_nonfinite): low-precision forward passes round
+    # differently per batch shape.
+    assert max_weight_diff(reference, model) < (1e-4 if policy == "mixed_float16" else 1e-2)
+    assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
+
+
+def test_a_window_left_out_on_every_replica_makes_no_update():
+    x, y = make_data(n=16)
+    y[:, 0] = np.inf
+    model, callback = fit_mirrored("sgd", x, y, epochs=1, skip_nonfinite=True)
+    assert callback.nonfinite_skips == 4 and callback.optimizer_steps == 0
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert max_weight_diff(make_model(optimizer="sgd"), model) == 0

@@ -113,3 +113,22 @@ def test_convert_batch_norm_on_a_nested_tf_keras_model(tmp_path, capsys):
     assert type(loaded.get_layer("backbone").layers[1]) is tf_keras.layers.BatchNormalization
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0),
                                rtol=1e-6)
+
+
+def test_synchronized_pools_the_window_across_replicas():
+    # As the Keras 3 layer (test_layers): 83 samples end in a partial window
+    # of micro-batches of 8, 8 and 3 (split 2 and 1 between the replicas).
+    import tensorflow as tf
+
+    x, y = images(n=83)
+    reference = model_with(tf_keras.layers.BatchNormalization(momentum=0.8, fused=False))
+    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())  # see test_distribution
+    with strategy.scope():
+        model = model_with(AccumBatchNormalization(momentum=0.8, synchronized=True))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    for got, want in zip(statistics(model), statistics(reference)):
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)

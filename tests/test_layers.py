@@ -367,13 +367,26 @@ def test_under_mirrored_strategy_each_replica_pools_its_own_window():
     assert np.abs(mean).max() > 0.1  # it moved from its initial zeros
 
 
-def test_synchronized_with_several_replicas_is_refused():
+@pytest.mark.parametrize("leftover", ["flush", "drop"])
+def test_synchronized_pools_the_window_across_replicas(leftover):
+    # Two replicas, 4 samples each per micro-batch of 8, 4 per window: the
+    # moving statistics are single-device BatchNormalization's at batch 32.
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    x, y = shifted_data(n=16)
+    # 83 samples: a partial window of 8, 8 and 3 (split 2 and 1) samples per
+    # micro-batch, weighed by the counts over every replica.
+    x, y = shifted_data(n=83)
+    reference = bn_model(keras.layers.BatchNormalization)
+    xs, ys = (x[:64], y[:64]) if leftover == "drop" else (x, y)
+    reference.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
     strategy = tf.distribute.MirroredStrategy(
-        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())  # see test_distribution
     with strategy.scope():
         model = bn_model(AccumBatchNormalization, synchronized=True)
-    with pytest.raises(ValueError, match=r"`synchronized=True` with several replicas is not supported"):
-        model.fit(x, y, batch_size=8, verbose=0,
-                  callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4, leftover=leftover)])
+    assert_statistics_equal(reference, model)
+    layer = model.layers[0]
+    for variable in (layer.moving_mean, layer.moving_variance):  # alike on each replica
+        value = getattr(variable, "value", variable)
+        local = strategy.experimental_local_results(value)
+        np.testing.assert_array_equal(np.asarray(local[0]), np.asarray(local[-1]))

@@ -21,8 +21,7 @@ def test_estimators_by_hand():
         for norm in norms:
             estimator.add_micro_batch(tf.constant(norm**2), tf.constant(samples, tf.int64))
         estimator.add_window(tf.constant(applied_square),
-                             samples=tf.constant(samples * len(norms), tf.int64),
-                             micro_batches=tf.constant(len(norms), tf.int64))
+                             samples=tf.constant(samples * len(norms), tf.int64))
 
     # A window of two micro-batches of 4 samples, squared gradient norms 9 and 25,
     # whose normalised sum has norm 2: |G_small|^2 = (9 + 25) / 2 = 17,

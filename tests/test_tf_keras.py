@@ -16,7 +16,9 @@ import tensorflow as tf
 import pytest
 import tf_keras
 
+from tb_plugin.metadata import TAG_PREFIX
 from tfaccum import GradientAccumulationCallback
+from test_summary import read_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
@@ -56,8 +58,11 @@ def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
     # 300 samples, global micro-batch 16 (8 per worker) x 4 = batch 64: four
     # windows and a partial one of 44 samples (3 micro-batches, the last of
     # 12 split 6/6), per epoch.
+    # `verbose` and `log_dir` are given to the chief only.
+    log_dir = tmp_path / "logs"
     args = ["--samples", "300", "--micro-batch", "16", "--accumulation-steps", "4",
-            "--epochs", "2", "--save", str(tmp_path), "--timeout", "300"]
+            "--epochs", "2", "--save", str(tmp_path), "--timeout", "300",
+            "--logdir", str(log_dir)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_USE_LEGACY_KERAS", None)
     result = subprocess.run(
@@ -78,6 +83,12 @@ def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
     reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     assert max_diff(reference.get_weights(), weights[0]) < 1e-5
     assert max_diff(example.build_model(tf_keras).get_weights(), weights[0]) > 1e-2
+    # The chief printed its epochs and wrote the global windows, once.
+    assert result.stdout.count("Epoch 1: 19 micro-steps, 5 optimizer updates") == 1
+    series, _ = read_run(str(log_dir))
+    assert [float(v) for _, v in series[TAG_PREFIX + "window_samples"]] == [64, 64, 64, 64, 44] * 2
+    assert [s for s, _ in series[TAG_PREFIX + "window_samples"]] == list(range(1, 11))
+    assert len(os.listdir(log_dir)) == 1  # one event file
 
 
 @pytest.mark.parametrize("legacy", ["1"])
@@ -120,3 +131,29 @@ def test_gradients_the_step_aggregated_itself_are_refused():
             r"optimizer.apply_gradients\(\.\.\., skip_gradients_aggregation=True")):
         model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, verbose=0,
                   callbacks=[callback])
+
+
+def test_two_workers_mixed_precision_one_worker_overflows(tmp_path):
+    # One worker's share of a micro-batch overflows in float16: that share
+    # alone is left out, the loss scale is lowered alike on both workers, and
+    # the window equals one process's large batch of the other 56 samples.
+    import two_workers_mixed as run
+
+    result = subprocess.run([sys.executable, run.__file__, str(tmp_path)],
+                            capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    workers = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    weights = [[w[f"arr_{k}"] for k in range(4)] for w in workers]
+    assert max_diff(weights[0], weights[1]) == 0
+    for worker in workers:
+        assert list(worker["counters"]) == [1, 1, 56, 4]  # skips, updates, samples, micro-steps
+        assert list(worker["scale"]) == [2.0**7]
+    x, y = run.data()
+    share = np.r_[16:24] if run.POISONED < 24 else np.r_[24:32]
+    keep = np.setdiff1d(np.arange(64), share)
+    reference = run.build_model(tf_keras)
+    try:
+        reference.fit(x[keep], y[keep], batch_size=56, epochs=1, shuffle=False, verbose=0)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    assert max_diff(reference.get_weights(), weights[0]) < 1e-5

@@ -149,13 +149,17 @@ class GradientAccumulationCallback(_keras.Callback):
             al. 2018), the batch size beyond which more accumulation stops
             paying, from the micro-batch and window gradients it already has;
             read it as `callback.noise_scale` and
-            `callback.suggested_accumulation_steps`. Defaults to `None`: on
-            with one replica (windows of one micro-batch give no estimate);
-            `True` insists, and is an error where it cannot be estimated
-            (`accumulation_steps=1`, several replicas); `False` turns it off.
+            `callback.suggested_accumulation_steps`. With several replicas
+            the small batches are the first replica's shares. Defaults to
+            `None`: on whenever `accumulation_steps` > 1 (windows of one
+            micro-batch give no estimate); `True` insists, and is an error
+            with `accumulation_steps=1`; `False` turns it off.
         log_dir: Directory for TensorBoard summaries of every optimizer
             update and leftover event, shown in the "Accumulation" tab
-            (`tensorboard --logdir <parent>`). Defaults to `None` (no
+            (`tensorboard --logdir <parent>`). With several replicas the
+            series are the global window's (written by the chief worker
+            only; other workers write nothing) and the micro-batch norms
+            those of the first replica's shares. Defaults to `None` (no
             summaries).
         scalars: With `log_dir`, also write the applied gradient norm as a
             plain scalar (`accumulation/gradient_norm`) for the Scalars and
@@ -351,10 +355,7 @@ class GradientAccumulationCallback(_keras.Callback):
     def _wants_noise_scale(self):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
-        return (
-            not self.schedule.always_one
-            and self.model.distribute_strategy.num_replicas_in_sync == 1
-        )
+        return not self.schedule.always_one
 
     def _reusable_hook(self, model):
         """A hook made for `model` with this configuration, that can be reinstalled."""
@@ -384,26 +385,10 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _new_hook(self, model):
         strategy = model.distribute_strategy
-        replicas = strategy.num_replicas_in_sync
-        if replicas > 1:
-            unsupported = [
-                name
-                for name, used in (
-                    ("summaries (log_dir)", self.log_dir is not None),
-                    ("the noise scale", self.noise_scale_option is True),
-                )
-                if used
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"{' and '.join(unsupported)} with several replicas is not "
-                    f"supported yet. Received: model {model.name!r} under "
-                    f"{type(strategy).__name__} with {replicas} replicas. "
-                    "Accumulate on one device for those, or leave them off."
-                )
         self.estimator = NoiseScaleEstimator(strategy) if self._wants_noise_scale() else None
         self.summaries = None
-        if self.log_dir is not None:
+        # Across workers the chief writes: every worker's rows are the same.
+        if self.log_dir is not None and strategy.extended.should_save_summary:
             self.summaries = AccumulationSummaries(
                 self.log_dir,
                 scalars=self.scalars,

@@ -213,17 +213,20 @@ class AccumulationHook:
         self.skip_nonfinite = skip_nonfinite
         self._strategy = model.distribute_strategy
         self._replicas = self._strategy.num_replicas_in_sync
-        if self._replicas > 1 and skip_nonfinite:
+        if self._replicas > 1 and skip_nonfinite and self.reduction == "mean":
             raise ValueError(
-                "skip_nonfinite (and mixed precision) with several replicas is "
-                f"not supported yet. Received: model {model.name!r} under "
-                f"{type(self._strategy).__name__} with {self._replicas} "
-                "replicas. Accumulate on one device for it, or leave it off."
+                "skip_nonfinite (and mixed precision) with several replicas "
+                "leaves out one replica's share of a micro-batch, which "
+                'reduction="mean" (every micro-batch weighs the same) cannot '
+                "weigh. Received: reduction='mean' with skip_nonfinite="
+                f"{skip_nonfinite} under {type(self._strategy).__name__} with "
+                f"{self._replicas} replicas. Use reduction='auto' or 'samples'."
             )
         self._optimizer = optimizer
         self._local = threading.local()  # the `_Step` being traced, per thread
         self._flush_function = None
         self._drop_function = None
+        self._pending_function = None
         self._warned_dense = False
         self._loss_counting = None  # made at the first trace (reduction="auto")
         self._loss_seen = False  # whether the traced step showed its loss
@@ -237,16 +240,6 @@ class AccumulationHook:
         with tf.init_scope(), self._strategy.scope():
             self._steps = tf.Variable(
                 tf.ones((), tf.int64), trainable=False, name="accumulation_steps"
-            )
-            # With several replicas: micro-steps into the open window, kept
-            # by every replica, so that each decides when the window is full
-            # without talking to the others (over a network, per micro-step).
-            self._window_position = tf.Variable(
-                tf.zeros((), tf.int64),
-                trainable=False,
-                name="window_position",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
         if self._replicas > 1 and model.built:
             # Variables cannot be made inside a replica's step.
@@ -325,7 +318,6 @@ class AccumulationHook:
         self.window.zero()
         if self.channels is not None:
             self.channels.reset()
-        self._window_position.assign(0)
         for observer in self.observers:
             observer.on_reset()
         self._install()
@@ -439,7 +431,17 @@ class AccumulationHook:
 
     @property
     def pending(self):
-        """The `Window` accumulated but not yet applied."""
+        """The `Window` accumulated but not yet applied.
+
+        With several replicas its samples are summed over them: every worker
+        must read it (as it must call `flush()` and `drop()`).
+        """
+        if self._replicas > 1 and self.window.traced:
+            if self._pending_function is None:
+                self._pending_function = self._compile(self._pending_graph)
+            with self._strategy.scope():
+                micro_batches, samples = self._pending_function()
+            return Window(int(micro_batches), int(samples))
         counts = self.counts.numpy()
         return Window(counts["window_micro_batches"], counts["window_samples"])
 
@@ -605,6 +607,10 @@ class AccumulationHook:
         if step.weighted_by_loss:
             weight = tf.cast(items, tf.float32)
             gradient_scale = weight if gradient_scale is None else gradient_scale * weight
+        if self._replicas > 1:
+            # Keras divides each replica's loss by the number of replicas.
+            share = tf.constant(1.0 / self._replicas, tf.float32)
+            gradient_scale = share if gradient_scale is None else gradient_scale * share
         micro = MicroStep(
             grads=grads,
             variables=variables,
@@ -617,6 +623,9 @@ class AccumulationHook:
         counts = self.counts
 
         self._loss_seen = self._loss_seen or step.loss is not None
+        observers = self._observers_here()
+        # With several replicas the totals are added from the reduced window.
+        totals = dict(samples=samples, items=items) if self._replicas == 1 else {}
 
         def add():
             window.add(
@@ -626,26 +635,26 @@ class AccumulationHook:
             if uneven:
                 self.channels.add(per_output, variables, [o.count for o in uneven],
                                   [o.value for o in uneven])
-            for observer in self.observers:
+            for observer in observers:
                 observer.on_micro_step(micro)
             return counts.delta(
                 micro_steps=1,
                 window_micro_batches=1,
                 window_samples=samples,
                 window_items=items,
-                samples=samples,
-                items=items,
+                **totals,
             )
 
         def leave_out():
-            self._lower_loss_scale()
-            for observer in self.observers:
+            if self._replicas == 1:
+                self._lower_loss_scale()  # with several, at the window's end
+            for observer in observers:
                 observer.on_leave_out(micro)
             return counts.delta(
                 micro_steps=1,
                 window_micro_batches=1,
                 window_nonfinite=1,
-                nonfinite_skips=1,
+                **({"nonfinite_skips": 1} if self._replicas == 1 else {}),
             )
 
         if self.skip_nonfinite:
@@ -658,7 +667,6 @@ class AccumulationHook:
         # counts a phantom step per epoch that way).
         counts.add(delta)
         if self._replicas > 1:
-            self._window_position.assign_add(1)
             # Keras' optimizer calls `merge_call`, which a `tf.cond` in a
             # replica context cannot hold (keras-team/keras#20582): decide in
             # the cross-replica context, as LossScaleOptimizer does.
@@ -730,20 +738,71 @@ class AccumulationHook:
                 if self.channels is not None:
                     self.channels.scale(factor)
 
+    def _observers_here(self):
+        """The observers this replica feeds (at trace time).
+
+        With several replicas, those that watch the window as a whole are fed
+        by this machine's first replica only: its micro-batches, and the
+        window reduced over every replica. Nothing crosses devices for them.
+        """
+        if self._replicas == 1:
+            return self.observers
+        context = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+        local_replicas = len(self._strategy.extended.worker_devices)
+        first = replica is not None and replica % local_replicas == 0
+        return [o for o in self.observers if first or o.per_replica]
+
     def _end_window_if_full_on_replicas(self, strategy):
-        # Every replica, on every worker, holds the same position: read this
-        # worker's own, and reduce the counts only when the window is applied.
-        position = strategy.experimental_local_results(self._window_position)[0]
+        # Every replica, on every worker, holds the same position in the
+        # window: read this worker's own; counts are reduced only when the
+        # window is applied.
+        position = self.counts.local()[self.counts.names.index("window_micro_batches")]
         return tf.cond(
             position >= self._steps,
-            lambda: self._apply_on_replicas(self._global_window()),
+            lambda: self._end_window_on_replicas(self._global_window()),
             lambda: tf.constant(False),
         )
 
+    def _end_window_on_replicas(self, window, **extra_counts):
+        """Ends the window on every replica, from its reduced counts (cross-replica).
+
+        A replica that left its share of a micro-batch out (non-finite) kept
+        the loss scale: the window's gradients were all scaled alike. It is
+        lowered once here, after the update, if any share was left out.
+        """
+        applied = tf.cond(
+            window["window_samples"] > 0,
+            lambda: self._apply_on_replicas(window, **extra_counts),
+            lambda: self._skip_on_replicas(window),
+        )
+        if self.skip_nonfinite and _keras.scales_loss_dynamically(self._optimizer):
+            lowered = tf.cond(
+                window["window_nonfinite"] > 0,
+                lambda: self._lower_scale_on_replicas(),
+                lambda: tf.constant(False),
+            )
+            with tf.control_dependencies([applied, lowered]):
+                applied = tf.identity(applied)
+        return applied
+
+    def _lower_scale_on_replicas(self):
+        self._api.lower_loss_scale(self._optimizer)
+        return tf.constant(True)
+
+    def _skip_on_replicas(self, window):
+        """Every share of every micro-batch was left out: no update."""
+        self._api.count_skipped_update(self._optimizer)
+        self._strategy.extended.call_for_each_replica(self._skip_on_replica, args=(window,))
+        return tf.constant(False)
+
+    def _skip_on_replica(self, window):
+        self._reset(self._local_window(), window)
+
     def _global_window(self):
         """The open window's counts (and loss sum) over all replicas, cross-replica."""
-        vector = self.counts.variable.read_value()
-        window = {name: vector[self.counts.names.index(name)] for name in WINDOW_COUNTS}
+        counts = self.counts.global_read()
+        window = {name: counts[name] for name in WINDOW_COUNTS}
         window["loss_sum"] = self.window.loss_sum.read_value()
         return window
 
@@ -798,6 +857,9 @@ class AccumulationHook:
         counts = self.counts.read()  # this replica's
         local = self._local_window()
         window = local if window is None else window
+        if self._replicas > 1:  # what the reduced window adds to the totals
+            counts = dict(counts, nonfinite_skips=counts["nonfinite_skips"]
+                          + window["window_nonfinite"])
         grads = self.window.gradients(self._denominator(window))
         if self.channels is not None:
             grads = self.channels.combine(grads)
@@ -821,9 +883,9 @@ class AccumulationHook:
             loss=self._window_loss(window) if self._loss_seen else None,
             name_prefix=self.model.name + "/",
         )
-        for observer in self.observers:
+        for observer in self._observers_here():
             observer.on_apply(update)
-        self._reset(local, optimizer_steps=1, **extra_counts)
+        self._reset(local, window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
     def _window_loss(self, window):
@@ -837,15 +899,20 @@ class AccumulationHook:
             loss += self.channels.loss()
         return loss
 
-    def _reset(self, local_window, **extra_counts):
-        """Empties the window: accumulators, observers and this replica's window counts."""
+    def _reset(self, local_window, window=None, **extra_counts):
+        """Empties the window: accumulators, observers and this replica's window counts.
+
+        With several replicas `window` is the window reduced over them, whose
+        samples and items join the totals.
+        """
         self.window.reset()
         if self.channels is not None:
             self.channels.reset()
-        for observer in self.observers:
+        for observer in self._observers_here():
             observer.on_reset()
         if self._replicas > 1:
-            self._window_position.assign(0)
+            extra_counts.update(samples=window["window_samples"], items=window["window_items"],
+                                nonfinite_skips=window["window_nonfinite"])
         counts = self.counts
         counts.add(
             counts.delta(**{name: -local_window[name] for name in WINDOW_COUNTS})
@@ -862,7 +929,7 @@ class AccumulationHook:
     def _flush_graph(self):
         window = self._global_window()
         if self._replicas > 1:
-            apply = lambda: self._apply_on_replicas(window, flushes=1)  # noqa: E731
+            apply = lambda: self._end_window_on_replicas(window, flushes=1)  # noqa: E731
         else:
             apply = lambda: self._end_window(flushes=1)  # noqa: E731
         tf.cond(window["window_micro_batches"] > 0, apply, lambda: tf.constant(False))
@@ -870,12 +937,16 @@ class AccumulationHook:
 
     def _drop_graph(self):
         window = self._global_window()
-        self._strategy.extended.call_for_each_replica(self._drop_on_replica)
+        self._strategy.extended.call_for_each_replica(self._drop_on_replica, args=(window,))
         return window["window_micro_batches"], window["window_samples"]
 
-    def _drop_on_replica(self):
+    def _drop_on_replica(self, window):
         local = self._local_window()
-        self._reset(local, dropped_micro_steps=local["window_micro_batches"])
+        self._reset(local, window, dropped_micro_steps=local["window_micro_batches"])
+
+    def _pending_graph(self):
+        window = self._global_window()
+        return window["window_micro_batches"], window["window_samples"]
 
     def flush(self):
         """Applies a partial window now, normalised by what it holds.

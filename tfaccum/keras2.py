@@ -38,8 +38,9 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
     accumulation). Under accumulation its moving statistics equal those of
     `BatchNormalization` at the large batch, fused or not (the fused kernel,
     tf_keras' default for 4D inputs, moves towards the unbiased variance: so
-    does this layer then). `renorm`, `virtual_batch_size` and `adjustment`
-    are refused under accumulation.
+    does this layer then). With `synchronized=True` on several replicas the
+    statistics are pooled over all of them. `renorm`, `virtual_batch_size`
+    and `adjustment` are refused under accumulation.
     """
 
     def call(self, inputs, training=None, mask=None):
@@ -51,8 +52,12 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
         x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
         ndims = len(x.shape)
         axes = [i for i in range(ndims) if i not in self.axis]
-        mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
-        window.stage(self._sample_count(x, mask, axes), mean, variance)
+        if self._synchronizes(mask):
+            count, mean, variance = self._synchronized_moments(x, axes)
+        else:
+            mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
+            count = self._sample_count(x, mask, axes)
+        window.stage(count, mean, variance)
         shape = [1] * ndims
         for axis in self.axis:
             shape[axis] = x.shape[axis]

@@ -93,6 +93,8 @@ def _zero(variables):
 class BatchNormWindows(WindowObserver):
     """Pools the statistics of a model's `AccumBatchNormalization` layers per window."""
 
+    per_replica = True  # each replica pools what its layers saw
+
     def __init__(self, layers, strategy):
         self.windows = [(layer, layer._new_window(strategy)) for layer in layers]
 
@@ -147,15 +149,6 @@ class WindowedMoments:
                 "`renorm=True` is not supported under gradient accumulation. "
                 "Received: renorm=True"
             )
-        if getattr(self, "synchronized", False) and strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                f"Layer {self.name!r}: AccumBatchNormalization with "
-                "`synchronized=True` with several replicas is not supported "
-                "under gradient accumulation yet. Received: synchronized=True "
-                f"under {type(strategy).__name__} with "
-                f"{strategy.num_replicas_in_sync} replicas. Use "
-                "synchronized=False: each replica then pools its own window."
-            )
         return PooledMoments(tuple(self.moving_mean.shape), strategy)
 
     def _set_window(self, window):
@@ -167,6 +160,36 @@ class WindowedMoments:
         if mask is not None:
             return tf.reduce_sum(tf.cast(mask, tf.float32))
         return tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
+
+    def _synchronizes(self, mask):
+        """Whether this forward pass's moments are taken over every replica.
+
+        As `BatchNormalization(synchronized=True)` does (not with a mask).
+        """
+        context = tf.distribute.get_replica_context()
+        return (
+            getattr(self, "synchronized", False)
+            and mask is None
+            and context is not None
+            and context.num_replicas_in_sync > 1
+        )
+
+    @staticmethod
+    def _synchronized_moments(inputs, axes):
+        """Count, mean and variance over every replica's batch: one all-reduce.
+
+        From sums and sums of squares, as Keras' synchronized layer computes
+        them; every replica then stages the same statistics of the micro-batch.
+        """
+        inputs = tf.cast(inputs, tf.float32)
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
+        count, total, squares = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            [count, tf.reduce_sum(inputs, axes), tf.reduce_sum(tf.square(inputs), axes)],
+        )
+        count = tf.maximum(count, 1.0)
+        mean = total / count
+        return count, mean, tf.maximum(squares / count - tf.square(mean), 0.0)
 
     def _window_variance(self, variance, count):
         """The variance the moving statistics move towards (the biased one)."""
@@ -205,12 +228,13 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
     Plain `BatchNormalization` under accumulation updates its statistics from
     each small micro-batch (keras-team/keras#16633).
 
-    With several replicas each replica pools its own share of the window and
-    updates the moving statistics as `BatchNormalization(synchronized=False)`
-    does with its share of a batch (Keras keeps per-replica statistics there,
-    not the single-device ones). `synchronized=True` with several replicas
-    and `renorm=True` are not supported under accumulation (a clear error
-    says so).
+    With several replicas and `synchronized=True`, each forward pass's
+    statistics are taken over every replica (one all-reduce, as the Keras
+    layer does) and the moving statistics equal single-device
+    `BatchNormalization` at the global large batch. With
+    `synchronized=False` each replica pools its own share of the window, as
+    `BatchNormalization` keeps each replica's share of a batch. `renorm=True`
+    is not supported under accumulation (a clear error says so).
 
     Example:
 
@@ -233,8 +257,12 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
         # BatchNormalization's training branch, with the moving statistics
         # left to the end of the window.
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        mean, variance = _keras.batch_norm_moments(self, inputs, mask)
-        count = self._sample_count(inputs, mask, _keras.batch_norm_reduction_axes(self))
+        axes = _keras.batch_norm_reduction_axes(self)
+        if self._synchronizes(mask):
+            count, mean, variance = self._synchronized_moments(inputs, axes)
+        else:
+            mean, variance = _keras.batch_norm_moments(self, inputs, mask)
+            count = self._sample_count(inputs, mask, axes)
         window.stage(count, mean, variance)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tb_plugin import metadata
 from tfaccum.observers import WindowObserver
+from tfaccum.observers import local_variable
 
 SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
 
@@ -35,15 +36,27 @@ class NoiseScaleEstimator(WindowObserver):
     `reduction="sum"` the micro-batch's is divided by its samples and the
     window's by the window's, which B_simple (a ratio of two squared norms)
     does not notice when the losses were means to begin with.
+
+    With several replicas (data parallelism, the setting the paper designed
+    the estimator for) the small batches are the first replica's shares of
+    the micro-batches, and the big one the window summed over all replicas:
+    nothing crosses devices for it.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy (unused: the estimate
+            is kept on this machine, in plain variables).
     """
 
-    def __init__(self, strategy):
-        with tf.init_scope(), strategy.scope():
+    def __init__(self, strategy=None):
+        del strategy
+        with tf.init_scope():
 
             def variable(name, dtype=tf.float32):
-                return tf.Variable(tf.zeros((), dtype), trainable=False, name=name)
+                return local_variable(tf.zeros((), dtype), name)
 
             self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
+            self._micro_samples = variable("micro_samples")  # sum b
+            self._micro_batches = variable("micro_batches")  # micro-batches seen
             self._gradient_square = variable("gradient_square_ema")  # |G|^2
             self._trace = variable("trace_sigma_ema")  # tr(Sigma)
             self._micro_batch = variable("micro_batch_size")  # last B_small
@@ -60,47 +73,42 @@ class NoiseScaleEstimator(WindowObserver):
         self.add_micro_batch(step.mean_squared_norm, step.samples if step.items is None else step.items)
 
     def on_apply(self, update):
-        self.add_window(
-            update.mean_squared_norm,
-            samples=update.window["window_items"],
-            micro_batches=update.contributing_micro_batches,
-        )
+        self.add_window(update.mean_squared_norm, samples=update.window["window_items"])
 
     def on_reset(self):
-        self._micro_squares.assign(0.0)
+        for variable in (self._micro_squares, self._micro_samples, self._micro_batches):
+            variable.assign(0.0)
 
     def restart(self):
         """Forgets every estimate (a new `fit` of a new callback)."""
-        for variable in (self._micro_squares, self._gradient_square, self._trace, self._micro_batch):
+        for variable in (self._gradient_square, self._trace, self._micro_batch):
             variable.assign(tf.zeros_like(variable))
         self._windows.assign(0)
+        self.on_reset()
 
     # -- the estimators ----------------------------------------------------------
 
     def add_micro_batch(self, square, samples):
-        """Adds a micro-batch of the window: its squared gradient norm and size.
+        """Adds a (small) batch of the window: its squared gradient norm and size."""
+        samples = tf.cast(samples, tf.float32)
+        self._micro_squares.assign_add(samples * square)
+        self._micro_samples.assign_add(samples)
+        self._micro_batches.assign_add(1.0)
 
-        One op per micro-step; what the window holds in all (samples,
-        micro-batches) comes with `add_window`.
-        """
-        self._micro_squares.assign_add(tf.cast(samples, tf.float32) * square)
-
-    def add_window(self, window_square, samples, micro_batches):
-        """Adds one window's estimates.
+    def add_window(self, window_square, samples):
+        """Adds one window's estimates, from the batches added since the last.
 
         Args:
             window_square: Squared norm of the window's (normalised) gradient.
             samples: Samples the window held (B_big), int64.
-            micro_batches: Micro-batches that contributed to it, int64: each
-                was passed to `add_micro_batch`.
         """
         big = tf.cast(samples, tf.float32)
-        count = tf.cast(micro_batches, tf.float32)
-        small = big / tf.maximum(count, 1.0)
-        small_square = self._micro_squares / tf.maximum(big, 1.0)
+        seen = tf.maximum(self._micro_samples, 1.0)
+        small = seen / tf.maximum(self._micro_batches, 1.0)
+        small_square = self._micro_squares / seen
         # Branch-free (no nested function call in the update): a window of
         # one micro-batch (B_small = B_big) leaves every average as it was.
-        defined = count > 1.0
+        defined = big > small
         safe_gap = tf.where(defined, big - small, 1.0)
         gradient_square = (big * window_square - small * small_square) / safe_gap
         trace = (small_square - window_square) * small * big / safe_gap

@@ -11,8 +11,22 @@ import dataclasses
 import functools
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from tfaccum.norms import squared_norm
+
+
+def local_variable(initial_value, name):
+    """A non-trainable variable of this machine only, even inside a strategy's scope.
+
+    Observers keep what they see in such variables: with several replicas
+    nothing of theirs is mirrored, broadcast or reduced, so a callback given
+    to one worker only starts no collective. Private: a `ResourceVariable`
+    built directly skips the strategy's variable creator (TensorFlow
+    2.16-2.21; `tf.Variable` would make a mirrored one).
+    """
+    with tf.init_scope():
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
 
 
 class WindowObserver:
@@ -28,7 +42,13 @@ class WindowObserver:
     Host methods:
         on_install(hook): the hook was installed on its model.
         on_uninstall(hook): the hook is being removed.
+
+    With several replicas an observer is fed by each machine's first replica
+    (its micro-batches, and the window reduced over all replicas) unless it
+    sets `per_replica = True`, which feeds every replica its own share.
     """
+
+    per_replica = False
 
     def on_micro_step(self, step):
         pass

@@ -18,6 +18,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tb_plugin import metadata
 from tfaccum.norms import unscaled
 from tfaccum.observers import WindowObserver
+from tfaccum.observers import local_variable
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
@@ -58,33 +59,24 @@ class AccumulationSummaries(WindowObserver):
         self._writer_dir = None
         self._write_function = None
         self._variable_names = None  # fixed when the train step is traced
+        self._columns = None  # of `_norms`: a column per trainable variable
         self._last_write = time.monotonic()
         self._unwritten_micro_steps = 0
         self.lost_rows = 0  # updates whose rows found the buffer full
-        with tf.init_scope():
-            # One row more than `capacity`: where an update that finds the
-            # buffer full goes (never written out), so that storing a row
-            # needs no branch.
-            self._rows = tf.Variable(
-                tf.zeros((capacity + 1, len(_COLUMNS)), tf.float64),
-                trainable=False,
-                name="summary_rows",
-            )
-            self._row_count = tf.Variable(
-                tf.zeros((), tf.int64), trainable=False, name="summary_row_count"
-            )
-            # Updates that found the buffer full (none when written in time).
-            self._overflow = tf.Variable(
-                tf.zeros((), tf.int64), trainable=False, name="summary_overflow"
-            )
-            # Sum and maximum of the micro-batch gradient norms in the window.
-            self._micro_norm_sum = tf.Variable(
-                0.0, trainable=False, name="micro_norm_sum"
-            )
-            self._micro_norm_max = tf.Variable(
-                0.0, trainable=False, name="micro_norm_max"
-            )
-        self._norms = None  # (capacity, variables), created at first trace
+        # One row more than `capacity`: where an update that finds the
+        # buffer full goes (never written out), so that storing a row
+        # needs no branch.
+        self._rows = local_variable(
+            tf.zeros((capacity + 1, len(_COLUMNS)), tf.float64), "summary_rows"
+        )
+        self._row_count = local_variable(tf.zeros((), tf.int64), "summary_row_count")
+        # Updates that found the buffer full (none when written in time).
+        self._overflow = local_variable(tf.zeros((), tf.int64), "summary_overflow")
+        # Sum and maximum of the micro-batch gradient norms in the window.
+        self._micro_norm_sum = local_variable(0.0, "micro_norm_sum")
+        self._micro_norm_max = local_variable(0.0, "micro_norm_max")
+        self._micro_count = local_variable(0.0, "micro_count")
+        self._norms = None  # (capacity, variables), created at installation
 
     def __repr__(self):
         return (
@@ -99,22 +91,38 @@ class AccumulationSummaries(WindowObserver):
         norm = tf.sqrt(step.squared_norm)
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
+        self._micro_count.assign_add(1.0)
+
+    def on_install(self, hook):
+        # Sized by the model's variables, on the host; a model not built
+        # yet gets it at the first trace.
+        if self._norms is None and hook.model.trainable_variables:
+            self._make_norms(hook.model.trainable_variables)
+
+    def _make_norms(self, variables):
+        self._columns = {id(v): i for i, v in enumerate(variables)}
+        self._norms = local_variable(
+            tf.zeros((self.capacity + 1, len(variables)), tf.float32),
+            "summary_accumulator_norms",
+        )
 
     def on_apply(self, update):
         """Buffers one row for an optimizer update (an `Update`)."""
         present = [(g, v) for g, v in zip(update.grads, update.variables) if g is not None]
         if self._norms is None:
+            self._make_norms([v for _, v in present])
+        if self._variable_names is None:
             self._variable_names = [
-                _variable_name(v, update.name_prefix) for _, v in present
+                (_variable_name(v, update.name_prefix), self._columns[id(v)])
+                for _, v in present
             ]
-            with tf.init_scope():
-                self._norms = tf.Variable(
-                    tf.zeros((self.capacity + 1, len(present)), tf.float32),
-                    trainable=False,
-                    name="summary_accumulator_norms",
-                )
         squares = [sq for sq in update.variable_squared_norms if sq is not None]
-        norms = unscaled(tf.sqrt(tf.stack(squares)), update.gradient_scale)
+        present_norms = unscaled(tf.sqrt(tf.stack(squares)), update.gradient_scale)
+        norms = tf.scatter_nd(
+            [[column] for _, column in self._variable_names],
+            present_norms,
+            [self._norms.shape[1]],
+        )
         window, counts = update.window, update.counts
         micro_steps = counts["micro_steps"]
         updates = counts["optimizer_steps"] + 1
@@ -122,9 +130,9 @@ class AccumulationSummaries(WindowObserver):
         row = tf.stack(
             [
                 tf.cast(update.iterations, tf.float64),
-                tf.cast(tf.norm(norms), tf.float64),
+                tf.cast(tf.norm(present_norms), tf.float64),
                 tf.cast(self._micro_norm_sum, tf.float64)
-                / tf.cast(update.contributing_micro_batches, tf.float64),
+                / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
                 tf.cast(self._micro_norm_max, tf.float64),
                 tf.cast(window["window_micro_batches"], tf.float64),
                 tf.cast(window["window_samples"], tf.float64),
@@ -148,6 +156,7 @@ class AccumulationSummaries(WindowObserver):
     def on_reset(self):
         self._micro_norm_sum.assign(0.0)
         self._micro_norm_max.assign(0.0)
+        self._micro_count.assign(0.0)
 
     def on_uninstall(self, hook):
         self.flush()
@@ -217,7 +226,7 @@ class AccumulationSummaries(WindowObserver):
                     metadata.Kind.ACCUMULATOR_NORM, variable=name
                 ),
             )
-            for name in self._variable_names
+            for name, _ in self._variable_names
         ]
         plain_scalar = scalar_metadata.create_summary_metadata(
             display_name="", description="Applied gradient norm (tfaccum)."
@@ -237,7 +246,7 @@ class AccumulationSummaries(WindowObserver):
                     ))
                 else:
                     ops.append(_write_scalar(tag, row[column], step, meta))
-            for column, (tag, meta) in enumerate(per_variable):
+            for (_, column), (tag, meta) in zip(self._variable_names, per_variable):
                 ops.append(_write_scalar(tag, self._norms[i, column], step, meta))
             if self.scalars:
                 ops.append(_write_scalar(_PLAIN_SCALAR_TAG, row[1], step, plain_scalar))

@@ -27,9 +27,11 @@ TOTAL_COUNTS = (
     "dropped_micro_steps",
     "nonfinite_skips",
 )
-# With several replicas each replica counts its own samples (the window's are
-# their sum); every other count is kept by the first replica only.
-SUMMED_OVER_REPLICAS = ("window_samples", "window_items", "samples", "items")
+# With several replicas every replica keeps every count (the same on each),
+# except the open window's samples, items and shares left out (non-finite):
+# each replica's own, summed when the window is reduced at its end. Their
+# totals are then added from the reduced window, so every count reads locally.
+REPLICA_SHARES = ("window_samples", "window_items", "window_nonfinite")
 
 
 class Counts:
@@ -37,7 +39,9 @@ class Counts:
 
     One variable, so that a micro-step updates everything it counts with one
     op; read and written by name. With several replicas each replica keeps
-    its own vector and a read in the cross-replica context sums them.
+    its own vector (see `REPLICA_SHARES`): `numpy()` reads this machine's
+    first replica, without talking to other workers, and `global_read()` sums
+    the window's shares (a reduction: every replica takes part).
 
     Args:
         strategy: The model's `tf.distribute` strategy.
@@ -47,10 +51,9 @@ class Counts:
     def __init__(self, strategy, names=WINDOW_COUNTS + TOTAL_COUNTS):
         self.names = tuple(names)
         self._index = {name: i for i, name in enumerate(self.names)}
+        self._strategy = strategy
         self._replicas = strategy.num_replicas_in_sync
-        self._summed = tf.constant(
-            [name in SUMMED_OVER_REPLICAS for name in self.names]
-        )
+        self._shares = tf.constant([name in REPLICA_SHARES for name in self.names])
         with tf.init_scope(), strategy.scope():
             self.variable = tf.Variable(
                 tf.zeros((len(self.names),), tf.int64),
@@ -61,11 +64,7 @@ class Counts:
             )
 
     def delta(self, **counts):
-        """An int64 vector adding `counts` (by name) to the stored ones.
-
-        In a replica context, counts that are not summed over replicas are
-        kept only on the first replica.
-        """
+        """An int64 vector adding `counts` (by name) to the stored ones."""
         unknown = set(counts) - set(self._index)
         if unknown:
             raise KeyError(f"Unknown counts: {sorted(unknown)}")
@@ -80,14 +79,7 @@ class Counts:
             one_hot = tf.one_hot(self._index[name], len(self.names), dtype=tf.int64)
             term = tf.cast(value, tf.int64) * one_hot
             vector = term if vector is None else vector + term
-        vector = tf.constant(static, tf.int64) if vector is None else vector + static
-        if self._replicas == 1 or not counts:
-            return vector
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return vector
-        first = tf.equal(context.replica_id_in_sync_group, 0)
-        return tf.where(tf.logical_or(self._summed, first), vector, 0)
+        return tf.constant(static, tf.int64) if vector is None else vector + static
 
     def add(self, delta):
         """Adds a vector made by `delta()`."""
@@ -98,9 +90,26 @@ class Counts:
         vector = self.variable.read_value()
         return {name: vector[i] for i, name in enumerate(self.names)}
 
+    def global_read(self):
+        """The counts with the window's shares summed over replicas (cross-replica)."""
+        vector = self.variable.read_value()  # summed over replicas
+        if self._replicas > 1:
+            vector = tf.where(self._shares, vector, vector // self._replicas)
+        return {name: vector[i] for i, name in enumerate(self.names)}
+
+    def local(self):
+        """This machine's first replica's vector (the variable itself on one replica)."""
+        if self._replicas == 1:
+            return self.variable
+        return self._strategy.experimental_local_results(self.variable)[0]
+
     def numpy(self):
-        """The counts now, as `{name: int}`, summed over replicas (a host read)."""
-        vector = self.variable.numpy()
+        """The counts now, as `{name: int}`: a local host read.
+
+        With several replicas the window's `REPLICA_SHARES` are this
+        replica's; the hook's `pending` gives the window's total.
+        """
+        vector = self.local().numpy()
         return {name: int(vector[i]) for i, name in enumerate(self.names)}
 
     def zero(self):
