@@ -8,12 +8,14 @@ micro-batches the accumulated gradients are all-reduced and applied. The
 model trains exactly as one process would at batch N * B, with N times
 fewer all-reduces than plain training.
 
-Runs on Keras 2 (`tf_keras`): Keras 3's `fit` fails under this strategy
-upstream (keras-team/keras#20585). Data: scikit-learn's bundled digits.
+Runs on Keras 2 (`tf_keras`) by default; `--keras 3` runs Keras 3, whose
+`fit` fails under this strategy upstream (keras-team/keras#20585) unless
+`tfaccum.enable_keras3_multi_worker()` works around it. Data:
+scikit-learn's bundled digits.
 
 Two workers on this machine (this script starts them):
 
-    python examples/multi_worker.py --workers 2
+    python examples/multi_worker.py --workers 2 [--keras 3]
 
 One worker per machine (run on each, with that machine's index):
 
@@ -90,9 +92,15 @@ def train(args):
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
-    import tf_keras as keras
-
+    import tfaccum
     from tfaccum import GradientAccumulationCallback
+
+    if args.keras == "3":
+        import keras
+
+        tfaccum.enable_keras3_multi_worker()  # Keras 3's fit needs it across workers
+    else:
+        import tf_keras as keras
 
     task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
     index = task.get("index", 0)
@@ -191,6 +199,8 @@ def main(argv=None):
     parser.add_argument("--accumulation-steps", type=int, default=4)
     parser.add_argument("--samples", type=int, default=None, help="use the first N samples")
     parser.add_argument("--save", default=None, help="directory for each worker's weights")
+    parser.add_argument("--keras", choices=["2", "3"], default="2",
+                        help="tf_keras (default), or Keras 3 with tfaccum.enable_keras3_multi_worker()")
     parser.add_argument("--logdir", default=None,
                         help="the chief's TensorBoard log directory (Accumulation tab)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds (launcher)")

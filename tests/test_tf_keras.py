@@ -54,7 +54,8 @@ def test_tf_keras_imported_directly_next_to_keras_3():
     assert "train_step" not in model.__dict__ and isinstance(model, tf_keras.Model)
 
 
-def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
+@pytest.mark.parametrize("keras_version", ["2", "3"])
+def test_two_workers_train_like_one_process_at_the_large_batch(keras_version, tmp_path):
     # 300 samples, global micro-batch 16 (8 per worker) x 4 = batch 64: four
     # windows and a partial one of 44 samples (3 micro-batches, the last of
     # 12 split 6/6), per epoch.
@@ -62,7 +63,7 @@ def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
     log_dir = tmp_path / "logs"
     args = ["--samples", "300", "--micro-batch", "16", "--accumulation-steps", "4",
             "--epochs", "2", "--save", str(tmp_path), "--timeout", "300",
-            "--logdir", str(log_dir)]
+            "--logdir", str(log_dir), "--keras", keras_version]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_USE_LEGACY_KERAS", None)
     result = subprocess.run(
@@ -79,10 +80,11 @@ def test_two_workers_train_like_one_process_at_the_large_batch(tmp_path):
     assert all_reduces == updates == iterations  # once per update, not per micro-step
     example = load_example()
     x, y = example.load_data(300)
-    reference = example.build_model(tf_keras)
+    keras = tf_keras if keras_version == "2" else importlib.import_module("keras")
+    reference = example.build_model(keras)
     reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     assert max_diff(reference.get_weights(), weights[0]) < 1e-5
-    assert max_diff(example.build_model(tf_keras).get_weights(), weights[0]) > 1e-2
+    assert max_diff(example.build_model(keras).get_weights(), weights[0]) > 1e-2
     # The chief printed its epochs and wrote the global windows, once.
     assert result.stdout.count("Epoch 1: 19 micro-steps, 5 optimizer updates") == 1
     series, _ = read_run(str(log_dir))
@@ -157,3 +159,23 @@ def test_two_workers_mixed_precision_one_worker_overflows(tmp_path):
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
     assert max_diff(reference.get_weights(), weights[0]) < 1e-5
+
+
+def test_keras3_multi_worker_workaround_is_opt_in_and_guarded(monkeypatch):
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    import tfaccum
+
+    original = trainer.reduce_per_replica
+    tfaccum.enable_keras3_multi_worker()
+    tfaccum.enable_keras3_multi_worker()  # idempotent
+    assert trainer.reduce_per_replica is not original
+    tfaccum.disable_keras3_multi_worker()
+    assert trainer.reduce_per_replica is original
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    with pytest.raises(RuntimeError, match=(
+            r"works around two bugs of Keras 3.7-3.15's TensorFlow trainer .* "
+            r"does not know this version. Received: Keras 3.99.0")):
+        tfaccum.enable_keras3_multi_worker()
+    assert trainer.reduce_per_replica is original

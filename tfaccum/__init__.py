@@ -8,6 +8,8 @@ from tfaccum.hook import Window
 from tfaccum.hook import install_accumulation_hook
 from tfaccum.hook import remove_accumulation_hook
 from tfaccum.items import count_items
+from tfaccum.multi_worker import disable_keras3_multi_worker
+from tfaccum.multi_worker import enable_keras3_multi_worker
 
 __version__ = "0.1.0"
 
@@ -18,6 +20,8 @@ __all__ = [
     "Window",
     "convert_batch_norm",
     "count_items",
+    "disable_keras3_multi_worker",
+    "enable_keras3_multi_worker",
     "install_accumulation_hook",
     "remove_accumulation_hook",
 ]

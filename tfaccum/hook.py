@@ -749,6 +749,14 @@ class AccumulationHook:
             return self.observers
         context = tf.distribute.get_replica_context()
         replica = tf.get_static_value(context.replica_id_in_sync_group)
+        if replica is None and not all(o.per_replica for o in self.observers):
+            raise ValueError(
+                f"{type(self._strategy).__name__} does not say which replica a "
+                "step runs on while it traces; the summaries (log_dir) and the "
+                "noise scale need it. Received: observers "
+                f"{[type(o).__name__ for o in self.observers]}. Turn them off "
+                "(log_dir=None, noise_scale=False) under this strategy."
+            )
         local_replicas = len(self._strategy.extended.worker_devices)
         first = replica is not None and replica % local_replicas == 0
         return [o for o in self.observers if first or o.per_replica]
