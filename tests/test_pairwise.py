@@ -4,8 +4,9 @@ A covering array (built below, greedily and deterministically) holds every
 pair of settings of the options at least once in a few rows. Each row trains
 a tiny model with the callback and, from the same micro-batch stream, a
 reference that applies each window as one large batch with
-`train_on_batch`; the two must agree (1e-5; 1e-4 under mixed precision,
-whose float16 forward passes round differently per batch shape).
+`train_on_batch` on one device; the two must agree (1e-5; 1e-4 under mixed
+precision, whose float16 forward passes round differently per batch shape).
+The callback's run is on one device or on two replicas (MirroredStrategy).
 """
 
 import itertools
@@ -16,6 +17,7 @@ from conftest import keras
 import numpy as np
 import pytest
 
+from test_distribution import mirrored
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
@@ -31,7 +33,21 @@ FACTORS = {
     "mixed_precision": [False, True],
     "sample_weight": [False, True],
     "steps_per_execution": [1, 3],
+    "strategy": ["one_device", "mirrored"],
 }
+
+
+def allowed(row):
+    """Whether a (partial) row is a combination tfaccum accepts.
+
+    With several replicas a non-finite share is left out alone, which
+    reduction="mean" cannot weigh: refused (tested in test_distribution).
+    """
+    needed = ("reduction", "skip_nonfinite", "mixed_precision", "strategy")
+    if not all(name in row for name in needed):
+        return True
+    skips = row["skip_nonfinite"] is True or (row["skip_nonfinite"] is None and row["mixed_precision"])
+    return not (row["strategy"] == "mirrored" and row["reduction"] == "mean" and skips)
 SCHEDULES = {  # 4 micro-batches per window in epoch 0, then 2
     "constant": 4,
     "dict": {0: 4, 1: 2},
@@ -62,7 +78,8 @@ def covering_array(factors):
                     or (b == name and vb == level and row.get(a, va) == va and a in row)
                     or (a == name and va == level and b not in row)
                 )
-            row[name] = max(factors[name], key=lambda level: (gain(level), -factors[name].index(level)))
+            levels = [level for level in factors[name] if allowed({**row, name: level})]
+            row[name] = max(levels, key=lambda level: (gain(level), -factors[name].index(level)))
         covered = {
             (a, va, b, vb) for (a, va, b, vb) in uncovered if row[a] == va and row[b] == vb
         }
@@ -80,6 +97,7 @@ def test_the_array_covers_every_pair():
         seen = {(row[a], row[b]) for row in ROWS}
         assert seen == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
     assert len(ROWS) < 20  # small enough for a few minutes on 2 cores
+    assert all(allowed(row) for row in ROWS)
 
 
 def data(row):
@@ -99,11 +117,16 @@ def poisoned(row):
 
 
 def build(row, reference=False):
+    if row["strategy"] == "mirrored" and not reference:
+        with mirrored().scope():
+            return build(dict(row, strategy="built"))
     keras.utils.set_random_seed(1)
     layers = [keras.Input((5,))]
     if row["batch_norm"]:
-        bn = keras.layers.BatchNormalization if reference else AccumBatchNormalization
-        layers.append(bn(momentum=0.8))
+        if reference:
+            layers.append(keras.layers.BatchNormalization(momentum=0.8))
+        else:  # pooled over both replicas on two
+            layers.append(AccumBatchNormalization(momentum=0.8, synchronized=True))
     layers += [keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(1)]
     model = keras.Sequential(layers)
     # SGD: unlike Adam it does not hide a gradient that is off by a factor.
@@ -143,13 +166,22 @@ def windows(row):
     return applied
 
 
+def left_out(row):
+    """The samples of the poisoned micro-batch left out: all of them on one
+    device, the poisoned one's replica's share (the first half) on two."""
+    start = POISONED[1] * MICRO
+    share = MICRO // 2 if row["strategy"] == "mirrored" else MICRO
+    return set(range(start, start + share)) if poisoned(row) else set()
+
+
 def train_reference(row, x, y, weights):
     model = build(row, reference=True)
     for window in windows(row):
-        kept = [micro for _, micro in window if not (poisoned(row) and micro == POISONED[1])]
-        if not kept:
+        index = [i for _, m in window for i in range(m * MICRO, min((m + 1) * MICRO, SAMPLES))
+                 if i not in left_out(row)]
+        if not index:
             continue
-        index = np.concatenate([np.arange(m * MICRO, min((m + 1) * MICRO, SAMPLES)) for m in kept])
+        index = np.array(index)
         model.train_on_batch(x[index], y[index],
                              sample_weight=None if weights is None else weights[index])
     model.optimizer.finalize_variable_values(model.trainable_variables)  # as fit does
@@ -203,7 +235,7 @@ def test_pair(policy, tmp_path):
     applied = [w for w in windows(row)
                if any(not (poisoned(row) and m == POISONED[1]) for _, m in w)]
     assert callback.optimizer_steps == len(applied)
-    assert callback.nonfinite_skips == (EPOCHS if poisoned(row) else 0)
+    assert callback.nonfinite_skips == (EPOCHS if poisoned(row) else 0)  # micro-batches or shares
     assert (callback.estimator is not None) == (row["noise_scale"] is not False)
     if row["log_dir"]:
         from test_summary import read_run

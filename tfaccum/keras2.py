@@ -53,11 +53,11 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
         ndims = len(x.shape)
         axes = [i for i in range(ndims) if i not in self.axis]
         if self._synchronizes(mask):
-            count, mean, variance = self._synchronized_moments(x, axes)
+            share, (_, mean, variance) = self._synchronized_moments(x, axes)
         else:
             mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
-            count = self._sample_count(x, mask, axes)
-        window.stage(count, mean, variance)
+            share = (self._sample_count(x, mask, axes), mean, variance)
+        window.stage(*share)
         shape = [1] * ndims
         for axis in self.axis:
             shape[axis] = x.shape[axis]

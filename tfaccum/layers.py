@@ -77,8 +77,20 @@ class PooledMoments:
         """Forgets the staged micro-batch (its gradient was left out)."""
         _zero(self._staged)
 
-    def moments(self):
-        return self.mean.read_value(), self.m2 / self.count
+    def moments(self, across_replicas=False):
+        """The window's mean, (biased) variance and count.
+
+        `across_replicas`: pool every replica's window (one all-reduce, in a
+        replica context).
+        """
+        count, mean, m2 = self.count.read_value(), self.mean.read_value(), self.m2.read_value()
+        if across_replicas:
+            count, weighted, squares = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [count, count * mean, m2 + count * tf.square(mean)]
+            )
+            mean = weighted / tf.maximum(count, 1.0)
+            m2 = tf.maximum(squares - count * tf.square(mean), 0.0)
+        return mean, m2 / tf.maximum(count, 1.0), count
 
     def reset(self):
         _zero((self.count, self.mean, self.m2))
@@ -161,8 +173,8 @@ class WindowedMoments:
             return tf.reduce_sum(tf.cast(mask, tf.float32))
         return tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
 
-    def _synchronizes(self, mask):
-        """Whether this forward pass's moments are taken over every replica.
+    def _synchronizes(self, mask=None):
+        """Whether statistics are taken over every replica.
 
         As `BatchNormalization(synchronized=True)` does (not with a mask).
         """
@@ -176,20 +188,25 @@ class WindowedMoments:
 
     @staticmethod
     def _synchronized_moments(inputs, axes):
-        """Count, mean and variance over every replica's batch: one all-reduce.
+        """This replica's count, mean and variance, and those over every replica.
 
-        From sums and sums of squares, as Keras' synchronized layer computes
-        them; every replica then stages the same statistics of the micro-batch.
+        One all-reduce of sums and sums of squares, as Keras' synchronized
+        layer computes them: the batch is normalised with every replica's
+        statistics, and the window stages this replica's share (so that a
+        share left out for a non-finite gradient is left out of them too;
+        the windows are pooled across replicas when applied).
         """
         inputs = tf.cast(inputs, tf.float32)
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
-        count, total, squares = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            [count, tf.reduce_sum(inputs, axes), tf.reduce_sum(tf.square(inputs), axes)],
-        )
-        count = tf.maximum(count, 1.0)
-        mean = total / count
-        return count, mean, tf.maximum(squares / count - tf.square(mean), 0.0)
+        sums = [count, tf.reduce_sum(inputs, axes), tf.reduce_sum(tf.square(inputs), axes)]
+        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
+
+        def moments(count, total, squares):
+            count = tf.maximum(count, 1.0)
+            mean = total / count
+            return count, mean, tf.maximum(squares / count - tf.square(mean), 0.0)
+
+        return moments(*sums), moments(*reduced)
 
     def _window_variance(self, variance, count):
         """The variance the moving statistics move towards (the biased one)."""
@@ -197,8 +214,8 @@ class WindowedMoments:
 
     def _apply_window_moments(self):
         """Moves the moving statistics once, towards the window's moments."""
-        mean, variance = self._window.moments()
-        variance = self._window_variance(variance, self._window.count.read_value())
+        mean, variance, count = self._window.moments(across_replicas=self._synchronizes())
+        variance = self._window_variance(variance, count)
         momentum = self.momentum
         self.moving_mean.assign(
             self.moving_mean * momentum
@@ -259,11 +276,11 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         axes = _keras.batch_norm_reduction_axes(self)
         if self._synchronizes(mask):
-            count, mean, variance = self._synchronized_moments(inputs, axes)
+            share, (_, mean, variance) = self._synchronized_moments(inputs, axes)
         else:
             mean, variance = _keras.batch_norm_moments(self, inputs, mask)
-            count = self._sample_count(inputs, mask, axes)
-        window.stage(count, mean, variance)
+            share = (self._sample_count(inputs, mask, axes), mean, variance)
+        window.stage(*share)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(
