@@ -267,6 +267,32 @@ def test_mirrored_replicas_with_different_token_counts():
     assert max_diff(model.get_weights(), reference.get_weights()) < TOL
 
 
+def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
+    # Each output's accumulator per replica; each output's total over both
+    # replicas at the window's end (with the counts, no extra collective).
+    from test_distribution import mirrored
+    from test_summary import read_run
+    from test_summary import values
+
+    tokens, labels, _, _ = sequences()
+    y = {"per_token": labels, "per_sequence": labels.mean(axis=1, keepdims=True)}
+    reference = two_heads("sgd_momentum")
+    large = [reference.train_on_batch(tokens[s:s + MICRO * STEPS],
+                                      {k: v[s:s + MICRO * STEPS] for k, v in y.items()},
+                                      return_dict=True)["loss"]
+             for _ in range(2) for s in range(0, N, MICRO * STEPS)]
+    strategy = mirrored()
+    with strategy.scope():
+        model = two_heads("sgd_momentum")
+    log_dir = str(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the embedding's dense window
+        model.fit(tokens, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[
+            GradientAccumulationCallback(accumulation_steps=STEPS, log_dir=log_dir)])
+    assert max_diff(model.get_weights(), reference.get_weights()) < TOL
+    np.testing.assert_allclose(values(read_run(log_dir)[0], "window_loss"), large, rtol=1e-5)
+
+
 @pytest.mark.parametrize("heads", [1, 2], ids=["one-output", "two-outputs"])
 def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
     """Recorded per update: the loss the large batch reports, point for point."""

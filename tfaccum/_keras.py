@@ -454,6 +454,25 @@ def wrapped_losses_patch(container, wrap):
     ]
 
 
+def as_in_total_loss(loss, value):
+    """`value`, what compiled `loss` returned, as the loss container adds it up.
+
+    Under a strategy a loss averaged per batch is divided by the number of
+    replicas: Keras 3 does it inside the loss's call, tf_keras' container
+    after it.
+    """
+    tf_keras = sys.modules.get("tf_keras")
+    if (
+        tf_keras is not None
+        and isinstance(loss, tf_keras.losses.Loss)
+        and loss.reduction in ("auto", "sum_over_batch_size")
+    ):
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            return value * (1.0 / replicas)
+    return value
+
+
 def keras_mask(x):
     """The Keras mask a tensor carries (`_keras_mask`), or `None`."""
     return getattr(x, "_keras_mask", None)

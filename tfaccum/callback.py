@@ -142,7 +142,10 @@ class GradientAccumulationCallback(_keras.Callback):
         skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
             infinity out of its window, counted in `nonfinite_skips`, instead
             of letting it spoil the whole window; under mixed precision the
-            loss scale is halved too, as Keras does. Defaults to `None`: on
+            loss scale is halved too, as Keras does. With several replicas a
+            replica leaves out its own share of the micro-batch (counted
+            in `nonfinite_skips`), and the loss scale is halved once at the
+            window's end, alike on every replica. Defaults to `None`: on
             under mixed precision (`LossScaleOptimizer`), where overflow is
             expected, off in float32, where it usually means divergence.
         noise_scale: Estimate the gradient noise scale B_simple (McCandlish et

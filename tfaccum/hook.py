@@ -73,7 +73,7 @@ class _Step:
     items: object = None  # an `ItemCount` under reduction="auto"
     weight: object = None  # the micro-batch's weight in its window, once known
     loss: object = None  # the step's loss (a mean), as the step computed it
-    tape: object = None  # a persistent tape around the step (reduction="auto", one replica)
+    tape: object = None  # a persistent tape around the step (reduction="auto")
     uneven: object = None  # outputs that need their own window (`OutputChannels`)
 
 
@@ -500,7 +500,7 @@ class AccumulationHook:
         Each such output's gradient is taken from it in `_micro_step`. Inside
         a traced step a tape nobody asks costs nothing at run time.
         """
-        if self.reduction != "auto" or self._replicas > 1:
+        if self.reduction != "auto":
             yield
             return
         with tf.GradientTape(persistent=True) as tape:
@@ -514,15 +514,7 @@ class AccumulationHook:
             if step.items is not None:
                 uneven = step.items.uneven_outputs()
                 if uneven and all(output.count is not None for output in uneven):
-                    if step.tape is None:
-                        self._warn_items(
-                            [output.name for output in uneven],
-                            "several outputs whose losses average over different "
-                            "counts need an accumulator each, which tfaccum does "
-                            f"not keep with {self._replicas} replicas yet",
-                        )
-                    else:
-                        step.uneven = uneven
+                    step.uneven = uneven
         return step.uneven
 
     def _weight(self, step):
@@ -590,9 +582,7 @@ class AccumulationHook:
         window_grads, window_loss = grads, step.loss
         if uneven:
             if self.channels is None:
-                self.channels = OutputChannels(
-                    self._strategy, [o.name for o in uneven], [o.weight for o in uneven],
-                    sparse_rows=window.sparse_rows)
+                self._make_channels(uneven, variables)
             elif self.channels.names != [o.name for o in uneven]:
                 raise ValueError(
                     f"The outputs whose losses count differently changed between "
@@ -680,6 +670,29 @@ class AccumulationHook:
             lambda: tf.constant(False),
         )
         _keras.keep_as_function_call(applied)
+
+    def _make_channels(self, uneven, variables):
+        """Makes `self.channels` while the step traces (once, for every replica).
+
+        With several replicas its accumulators are made in the cross-replica
+        context, where variables can be created, dense (as the main window's).
+        """
+
+        def make(strategy=None):
+            if self.channels is not None:  # another replica's thread made them
+                return
+            channels = OutputChannels(
+                self._strategy, [o.name for o in uneven], [o.weight for o in uneven],
+                sparse_rows=self.window.sparse_rows)
+            if strategy is not None:
+                for window in channels.windows:
+                    window.create_dense([v for v in variables if self.window.has_accumulator(v)])
+            self.channels = channels
+
+        if self._replicas > 1:
+            tf.distribute.get_replica_context().merge_call(make)
+        else:
+            make()
 
     def _split_by_output(self, step, uneven, grads, variables):
         """Each uneven output's share of `grads`, and the rest.
@@ -812,6 +825,8 @@ class AccumulationHook:
         counts = self.counts.global_read()
         window = {name: counts[name] for name in WINDOW_COUNTS}
         window["loss_sum"] = self.window.loss_sum.read_value()
+        if self.channels is not None:
+            window.update(self.channels.global_read())
         return window
 
     def _apply_on_replicas(self, window, **extra_counts):
@@ -870,7 +885,7 @@ class AccumulationHook:
                           + window["window_nonfinite"])
         grads = self.window.gradients(self._denominator(window))
         if self.channels is not None:
-            grads = self.channels.combine(grads)
+            grads = self.channels.combine(grads, window.get("channel_items"))
         variables = self.window.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before apply
         if self._replicas > 1:
@@ -904,7 +919,7 @@ class AccumulationHook:
         items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
         loss = window["loss_sum"] / items * self._replicas
         if self.channels is not None:
-            loss += self.channels.loss()
+            loss += self.channels.loss(window.get("channel_items"), window.get("channel_loss_sums"))
         return loss
 
     def _reset(self, local_window, window=None, **extra_counts):

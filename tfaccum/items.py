@@ -213,7 +213,8 @@ class _Counted:
             self.loss, _current.values, mask, sample_weight
         )
         count.per_output.append(
-            CountedOutput(self.name, divisor, proportional, value, self.weight))
+            CountedOutput(self.name, divisor, proportional,
+                          _keras.as_in_total_loss(self.loss, value), self.weight))
         return value
 
     def __getattr__(self, name):

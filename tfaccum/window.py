@@ -53,7 +53,7 @@ class Counts:
         self._index = {name: i for i, name in enumerate(self.names)}
         self._strategy = strategy
         self._replicas = strategy.num_replicas_in_sync
-        self._shares = tf.constant([name in REPLICA_SHARES for name in self.names])
+        self._shares = [name in REPLICA_SHARES for name in self.names]
         with tf.init_scope(), strategy.scope():
             self.variable = tf.Variable(
                 tf.zeros((len(self.names),), tf.int64),
@@ -363,8 +363,12 @@ class OutputChannels:
     the rest (outputs that count samples, regularization), weighted by samples.
     Memory: one more accumulator per variable per such output.
 
+    With several replicas each replica accumulates its share of each output,
+    and the outputs' totals and loss sums over all replicas (`global_read()`,
+    cross-replica, with the window's counts) divide them.
+
     Args:
-        strategy: The model's `tf.distribute` strategy (one replica).
+        strategy: The model's `tf.distribute` strategy.
         names: The outputs' names, in the order their gradients come.
         weights: Their `loss_weights` entries (`None` for 1).
         sparse_rows: As `AccumulationWindow`'s.
@@ -374,6 +378,8 @@ class OutputChannels:
         self.names = list(names)
         self.weights = [1.0 if w is None else float(w) for w in weights]
         self.windows = [AccumulationWindow(strategy, sparse_rows=sparse_rows) for _ in names]
+        # Keras divides each replica's losses by the number of replicas.
+        self._replicas = strategy.num_replicas_in_sync
 
     def track(self, grads_per_output, variables):
         for window, grads in zip(self.windows, grads_per_output):
@@ -385,24 +391,35 @@ class OutputChannels:
             window.add(grads, variables, count, loss=value, items=count)
             window.counts.add(window.counts.delta(window_items=count))
 
-    def totals(self):
-        """Each output's count over the window (float64, at least 1)."""
-        return [
-            tf.maximum(tf.cast(window.counts.read()["window_items"], tf.float64), 1.0)
-            for window in self.windows
-        ]
+    def global_read(self):
+        """Each output's count and loss sum over every replica (cross-replica)."""
+        return {
+            "channel_items": [w.counts.global_read()["window_items"] for w in self.windows],
+            "channel_loss_sums": [w.loss_sum.read_value() for w in self.windows],
+        }
 
-    def combine(self, grads):
-        """`grads` (the main window's, normalised) plus each output's, normalised."""
-        for window, total in zip(self.windows, self.totals()):
-            grads = [_add(a, b) for a, b in zip(grads, window.gradients(total))]
+    def _totals(self, totals):
+        if totals is None:  # this replica's (all of them, on one)
+            totals = [window.counts.read()["window_items"] for window in self.windows]
+        return [tf.maximum(tf.cast(total, tf.float64), 1.0) for total in totals]
+
+    def combine(self, grads, totals=None):
+        """`grads` (the main window's, normalised) plus each output's, normalised.
+
+        `totals`: each output's count over the window (`global_read()`'s), by
+        default this replica's.
+        """
+        for window, total in zip(self.windows, self._totals(totals)):
+            grads = [_add(a, b) for a, b in zip(grads, window.gradients(total / self._replicas))]
         return grads
 
-    def loss(self):
+    def loss(self, totals=None, loss_sums=None):
         """The outputs' part of the window's loss: each weighted mean over its total."""
+        if loss_sums is None:
+            loss_sums = [window.loss_sum.read_value() for window in self.windows]
         return tf.add_n([
-            weight * window.loss_sum.read_value() / total
-            for weight, window, total in zip(self.weights, self.windows, self.totals())
+            weight * loss_sum / total * self._replicas
+            for weight, loss_sum, total in zip(self.weights, loss_sums, self._totals(totals))
         ])
 
     def scale(self, factor):
