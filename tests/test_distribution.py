@@ -286,9 +286,11 @@ def test_mixed_precision_equals_one_device(policy):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert callback.nonfinite_skips == 0 and callback.optimizer_steps == 12
-    # As on one device (test_nonfinite): low-precision forward passes round
-    # differently per batch shape.
-    assert max_weight_diff(reference, model) < (1e-4 if policy == "mixed_float16" else 1e-2)
+    # As on one device: low-precision forward passes round differently per
+    # batch shape (float16: 1e-4, test_nonfinite; bfloat16, 8 bits of
+    # mantissa: one device accumulating is 7.7e-4 from its large batch, two
+    # replicas 8.2e-4).
+    assert max_weight_diff(reference, model) < (1e-4 if policy == "mixed_float16" else 2e-3)
     assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
 
 
