@@ -454,6 +454,24 @@ def wrapped_losses_patch(container, wrap):
     ]
 
 
+def replica_loss_share(model):
+    """What Keras multiplies each replica's loss by under the model's strategy.
+
+    1 / replicas: the replicas' gradients are then summed. Keras 3 releases
+    without `scale_loss_for_distribution` (3.7 among those tested) do not
+    divide: each replica's mean loss counts whole, and plain training under
+    a strategy takes replicas times the one-device gradient. Private:
+    `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.15).
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if not is_tf_keras_model(model):
+        from keras.src.losses import loss as keras_loss
+
+        if not hasattr(keras_loss, "scale_loss_for_distribution"):
+            return 1.0
+    return 1.0 / replicas
+
+
 def as_in_total_loss(loss, value):
     """`value`, what compiled `loss` returned, as the loss container adds it up.
 

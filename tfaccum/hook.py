@@ -213,6 +213,8 @@ class AccumulationHook:
         self.skip_nonfinite = skip_nonfinite
         self._strategy = model.distribute_strategy
         self._replicas = self._strategy.num_replicas_in_sync
+        # What Keras multiplies each replica's loss by (undone by the window).
+        self._loss_share = _keras.replica_loss_share(model)
         if self._replicas > 1 and skip_nonfinite and self.reduction == "mean":
             raise ValueError(
                 "skip_nonfinite (and mixed precision) with several replicas "
@@ -597,9 +599,9 @@ class AccumulationHook:
         if step.weighted_by_loss:
             weight = tf.cast(items, tf.float32)
             gradient_scale = weight if gradient_scale is None else gradient_scale * weight
-        if self._replicas > 1:
+        if self._loss_share != 1.0:
             # Keras divides each replica's loss by the number of replicas.
-            share = tf.constant(1.0 / self._replicas, tf.float32)
+            share = tf.constant(self._loss_share, tf.float32)
             gradient_scale = share if gradient_scale is None else gradient_scale * share
         micro = MicroStep(
             grads=grads,
@@ -683,7 +685,7 @@ class AccumulationHook:
                 return
             channels = OutputChannels(
                 self._strategy, [o.name for o in uneven], [o.weight for o in uneven],
-                sparse_rows=self.window.sparse_rows)
+                sparse_rows=self.window.sparse_rows, loss_share=self._loss_share)
             if strategy is not None:
                 for window in channels.windows:
                     window.create_dense([v for v in variables if self.window.has_accumulator(v)])
@@ -862,13 +864,19 @@ class AccumulationHook:
         """What the window's sum is divided by, for `self.reduction`."""
         if self.reduction in ("auto", "samples"):
             # Keras divides each replica's loss by the number of replicas
-            # and sums their gradients: undo the first, let it do the second.
+            # (`_loss_share`) and sums their gradients: undo the first, let
+            # it do the second.
             denominator = window["window_items" if self.reduction == "auto" else "window_samples"]
             if self._replicas > 1:
-                denominator = tf.cast(denominator, tf.float64) / self._replicas
+                denominator = tf.cast(denominator, tf.float64) * self._loss_share
             return denominator
         if self.reduction == "mean":
-            return window["window_micro_batches"] - window["window_nonfinite"]
+            micro_batches = window["window_micro_batches"] - window["window_nonfinite"]
+            if self._replicas > 1 and self._loss_share * self._replicas != 1.0:
+                # A Keras that does not divide each replica's loss: the sum of
+                # the replicas' mean losses is replicas times the micro-batch's.
+                micro_batches = tf.cast(micro_batches, tf.float64) * self._replicas
+            return micro_batches
         return None
 
     def _apply_window(self, window=None, **extra_counts):
@@ -917,7 +925,7 @@ class AccumulationHook:
         Keras divides each replica's loss by the number of replicas: undone.
         """
         items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
-        loss = window["loss_sum"] / items * self._replicas
+        loss = window["loss_sum"] / items / self._loss_share
         if self.channels is not None:
             loss += self.channels.loss(window.get("channel_items"), window.get("channel_loss_sums"))
         return loss

@@ -372,14 +372,15 @@ class OutputChannels:
         names: The outputs' names, in the order their gradients come.
         weights: Their `loss_weights` entries (`None` for 1).
         sparse_rows: As `AccumulationWindow`'s.
+        loss_share: What Keras multiplies each replica's losses by (see
+            `_keras.replica_loss_share`).
     """
 
-    def __init__(self, strategy, names, weights, *, sparse_rows=True):
+    def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0):
         self.names = list(names)
         self.weights = [1.0 if w is None else float(w) for w in weights]
         self.windows = [AccumulationWindow(strategy, sparse_rows=sparse_rows) for _ in names]
-        # Keras divides each replica's losses by the number of replicas.
-        self._replicas = strategy.num_replicas_in_sync
+        self._loss_share = loss_share
 
     def track(self, grads_per_output, variables):
         for window, grads in zip(self.windows, grads_per_output):
@@ -410,7 +411,7 @@ class OutputChannels:
         default this replica's.
         """
         for window, total in zip(self.windows, self._totals(totals)):
-            grads = [_add(a, b) for a, b in zip(grads, window.gradients(total / self._replicas))]
+            grads = [_add(a, b) for a, b in zip(grads, window.gradients(total * self._loss_share))]
         return grads
 
     def loss(self, totals=None, loss_sums=None):
@@ -418,7 +419,7 @@ class OutputChannels:
         if loss_sums is None:
             loss_sums = [window.loss_sum.read_value() for window in self.windows]
         return tf.add_n([
-            weight * loss_sum / total * self._replicas
+            weight * loss_sum / total / self._loss_share
             for weight, loss_sum, total in zip(self.weights, loss_sums, self._totals(totals))
         ])
 
