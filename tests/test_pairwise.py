@@ -46,7 +46,8 @@ def allowed(row):
     needed = ("reduction", "skip_nonfinite", "mixed_precision", "strategy")
     if not all(name in row for name in needed):
         return True
-    skips = row["skip_nonfinite"] is True or (row["skip_nonfinite"] is None and row["mixed_precision"])
+    skip = row["skip_nonfinite"]
+    skips = skip is True or (skip is None and row["mixed_precision"])
     return not (row["strategy"] == "mirrored" and row["reduction"] == "mean" and skips)
 SCHEDULES = {  # 4 micro-batches per window in epoch 0, then 2
     "constant": 4,

@@ -927,7 +927,8 @@ class AccumulationHook:
         items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
         loss = window["loss_sum"] / items / self._loss_share
         if self.channels is not None:
-            loss += self.channels.loss(window.get("channel_items"), window.get("channel_loss_sums"))
+            loss += self.channels.loss(
+                window.get("channel_items"), window.get("channel_loss_sums"))
         return loss
 
     def _reset(self, local_window, window=None, **extra_counts):
