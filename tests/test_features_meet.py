@@ -6,7 +6,6 @@ from conftest import KERAS
 from conftest import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from conftest import make_data
 from conftest import make_model
 from conftest import max_weight_diff
@@ -39,7 +38,7 @@ def test_noise_scale_does_not_depend_on_the_reduction():
 def test_reinstall_resets_every_observer():
     x, y = make_data(n=16)
     model = make_model()
-    estimator = NoiseScaleEstimator(tf.distribute.get_strategy())
+    estimator = NoiseScaleEstimator()
     hook = AccumulationHook(model, accumulation_steps=4, observers=[estimator])
     model.train_on_batch(x[:8], y[:8])
     model.train_on_batch(x[8:], y[8:])

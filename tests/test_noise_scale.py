@@ -15,7 +15,7 @@ from tfaccum.noise_scale import NoiseScaleEstimator
 
 
 def test_estimators_by_hand():
-    estimator = NoiseScaleEstimator(tf.distribute.get_strategy())
+    estimator = NoiseScaleEstimator()
 
     def window(norms, applied_square, samples=4):
         for norm in norms:

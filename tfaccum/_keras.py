@@ -80,20 +80,13 @@ class Keras3:
         return list(grads), trainable_variables
 
     @staticmethod
-    def apply(apply, grads, variables):
-        """Calls `apply`, the optimizer's own (unpatched) `apply` method."""
-        apply(grads, variables)
+    def apply(apply, grads, variables, reduced=False):
+        """Calls `apply`, the optimizer's own (unpatched) `apply` method.
 
-    @staticmethod
-    def apply_all_reduced(apply, grads, variables):
-        """Calls `apply` with gradients all-reduced here, in a replica context.
-
-        Keras' own reduction must be off (`own_reduction_off`); returns the
-        reduced gradients.
+        `reduced`: the gradients are already summed over replicas
+        (`all_reduce_sum`), inside `own_reduction_off`.
         """
-        grads = all_reduce_sum(grads)
         apply(grads, variables)
-        return grads
 
     @staticmethod
     @contextlib.contextmanager
@@ -101,7 +94,7 @@ class Keras3:
         """Switches off the optimizer's all-reduce, in the cross-replica context.
 
         Keras 3 clips each replica's gradients before summing them; reduced
-        by `apply_all_reduced` first, they are clipped as on one device, and
+        by `all_reduce_sum` first, they are clipped as on one device, and
         cross devices once. Private: `_all_reduce_sum_gradients` of the
         TensorFlow optimizer (Keras 3.7-3.15).
         """
@@ -201,28 +194,23 @@ class TfKeras:
         return [g for g, _ in pairs], [v for _, v in pairs]
 
     @staticmethod
-    def apply(apply_gradients, grads, variables):
-        """Calls `apply_gradients`, the optimizer's own (unpatched) method."""
-        apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
+    def apply(apply_gradients, grads, variables, reduced=False):
+        """Calls `apply_gradients`, the optimizer's own (unpatched) method.
+
+        `reduced`: the gradients are already summed over replicas; its own
+        aggregation is then switched off by its public argument (new
+        optimizers take it as a keyword too).
+        """
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if reduced:
+            apply_gradients(pairs, experimental_aggregate_gradients=False)
+        else:
+            apply_gradients(pairs)
 
     @staticmethod
     def own_reduction_off(optimizer):
-        """Nothing to switch off: `apply_all_reduced` says it by argument."""
+        """Nothing to switch off: `apply(..., reduced=True)` says it by argument."""
         return contextlib.nullcontext()
-
-    @staticmethod
-    def apply_all_reduced(apply_gradients, grads, variables):
-        """Calls `apply_gradients` with gradients all-reduced here, in a replica context.
-
-        Its own aggregation is switched off by its public argument (new
-        optimizers take it as a keyword too).
-        """
-        grads = all_reduce_sum(grads)
-        apply_gradients(
-            [(g, v) for g, v in zip(grads, variables) if g is not None],
-            experimental_aggregate_gradients=False,
-        )
-        return grads
 
     @staticmethod
     def build_optimizer(optimizer, variables):

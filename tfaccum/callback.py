@@ -388,7 +388,7 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _new_hook(self, model):
         strategy = model.distribute_strategy
-        self.estimator = NoiseScaleEstimator(strategy) if self._wants_noise_scale() else None
+        self.estimator = NoiseScaleEstimator() if self._wants_noise_scale() else None
         self.summaries = None
         # Across workers the chief writes: every worker's rows are the same.
         if self.log_dir is not None and strategy.extended.should_save_summary:

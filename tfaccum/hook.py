@@ -896,13 +896,12 @@ class AccumulationHook:
             grads = self.channels.combine(grads, window.get("channel_items"))
         variables = self.window.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before apply
-        if self._replicas > 1:
+        reduced = self._replicas > 1
+        if reduced:
             # Applied as on one device: the optimizer receives (and clips)
             # the window's gradient summed over replicas.
-            grads = self._api.apply_all_reduced(
-                self._apply_patch.original(), grads, variables)
-        else:
-            self._api.apply(self._apply_patch.original(), grads, variables)
+            grads = _keras.all_reduce_sum(grads)
+        self._api.apply(self._apply_patch.original(), grads, variables, reduced=reduced)
         update = Update(
             grads=grads,
             variables=variables,

@@ -186,8 +186,8 @@ class WindowedMoments:
             and context.num_replicas_in_sync > 1
         )
 
-    @staticmethod
-    def _synchronized_moments(inputs, axes):
+    @classmethod
+    def _synchronized_moments(cls, inputs, axes):
         """This replica's count, mean and variance, and those over every replica.
 
         One all-reduce of sums and sums of squares, as Keras' synchronized
@@ -197,8 +197,7 @@ class WindowedMoments:
         the windows are pooled across replicas when applied).
         """
         inputs = tf.cast(inputs, tf.float32)
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), tf.float32)
-        sums = [count, tf.reduce_sum(inputs, axes), tf.reduce_sum(tf.square(inputs), axes)]
+        sums = [cls._sample_count(inputs, None, axes), tf.reduce_sum(inputs, axes), tf.reduce_sum(tf.square(inputs), axes)]
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
 
         def moments(count, total, squares):

@@ -40,27 +40,20 @@ class NoiseScaleEstimator(WindowObserver):
     With several replicas (data parallelism, the setting the paper designed
     the estimator for) the small batches are the first replica's shares of
     the micro-batches, and the big one the window summed over all replicas:
-    nothing crosses devices for it.
-
-    Args:
-        strategy: The model's `tf.distribute` strategy (unused: the estimate
-            is kept on this machine, in plain variables).
+    nothing crosses devices for it (its variables are this machine's).
     """
 
-    def __init__(self, strategy=None):
-        del strategy
-        with tf.init_scope():
+    def __init__(self):
+        def variable(name, dtype=tf.float32):
+            return local_variable(tf.zeros((), dtype), name)
 
-            def variable(name, dtype=tf.float32):
-                return local_variable(tf.zeros((), dtype), name)
-
-            self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
-            self._micro_samples = variable("micro_samples")  # sum b
-            self._micro_batches = variable("micro_batches")  # micro-batches seen
-            self._gradient_square = variable("gradient_square_ema")  # |G|^2
-            self._trace = variable("trace_sigma_ema")  # tr(Sigma)
-            self._micro_batch = variable("micro_batch_size")  # last B_small
-            self._windows = variable("noise_scale_windows", tf.int64)
+        self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
+        self._micro_samples = variable("micro_samples")  # sum b
+        self._micro_batches = variable("micro_batches")  # micro-batches seen
+        self._gradient_square = variable("gradient_square_ema")  # |G|^2
+        self._trace = variable("trace_sigma_ema")  # tr(Sigma)
+        self._micro_batch = variable("micro_batch_size")  # last B_small
+        self._windows = variable("noise_scale_windows", tf.int64)
 
     def __repr__(self):
         return f"NoiseScaleEstimator(noise_scale={self.noise_scale!r})"

@@ -142,11 +142,6 @@ class Update:
     loss: object = None
     name_prefix: str = ""
 
-    @property
-    def contributing_micro_batches(self):
-        """Micro-batches whose gradients are in the update (int64)."""
-        return self.window["window_micro_batches"] - self.window["window_nonfinite"]
-
     @functools.cached_property
     def variable_squared_norms(self):
         """Each applied gradient's squared L2 norm as applied (`None` where none).
