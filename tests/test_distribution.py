@@ -10,6 +10,7 @@ from conftest import make_model
 from conftest import max_weight_diff
 
 from test_nonfinite import loss_scale
+from test_nonfinite import poisoned_data
 from test_nonfinite import scaled_adam
 from test_noise_scale import exact_noise_scale
 from test_noise_scale import frozen_linear_model
@@ -246,17 +247,11 @@ def test_noise_scale_agrees_with_per_example_gradients(seed):
     assert callback.noise_scale == pytest.approx(exact, rel=0.35)
 
 
-def poisoned_data():
-    """32 samples; sample 10 overflows in float16 (see test_nonfinite). In the
-    second micro-batch of 8 it is in the first replica's share (8-11)."""
-    x, y = make_data(n=32)
-    y[10, 0] = 1e5
-    return x, y
-
-
 def test_mixed_precision_leaves_out_one_replicas_share(mixed_precision):
     # The window is then the large batch of the other 28 samples.
-    x, y = poisoned_data()
+    # Sample 10 overflows in float16; in the second micro-batch of 8 it is in
+    # the first replica's share (samples 8-11).
+    x, y = poisoned_data(target=1e5)
     model, callback = fit_mirrored(scaled_adam, x, y, epochs=1)
     assert callback.hook.skip_nonfinite is True
     assert callback.nonfinite_skips == 1 and callback.optimizer_steps == 1
