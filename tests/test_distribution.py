@@ -296,3 +296,17 @@ def test_a_window_left_out_on_every_replica_makes_no_update():
     assert callback.nonfinite_skips == 4 and callback.optimizer_steps == 0
     assert int(model.optimizer.iterations.numpy()) == 0
     assert max_weight_diff(make_model(optimizer="sgd"), model) == 0
+
+
+@pytest.mark.keras3
+def test_an_optimizer_without_keras_reduction_is_refused_by_name():
+    from tfaccum import _keras
+
+    class Unknown:
+        pass
+
+    with pytest.raises(RuntimeError, match=(
+            r"This Keras version's optimizer has no `_all_reduce_sum_gradients`; tfaccum "
+            r"cannot apply a window across replicas with it. Received: Unknown from Keras 3\.")):
+        with _keras.Keras3.own_reduction_off(Unknown()):
+            pass
