@@ -71,6 +71,7 @@ class _Step:
     weighted_by_loss: bool = False
     scales: int = 0
     items: object = None  # an `ItemCount` under reduction="auto"
+    count: object = None  # what its loss averages over (int64), once known
     weight: object = None  # the micro-batch's weight in its window, once known
     loss: object = None  # the step's loss (a mean), as the step computed it
     tape: object = None  # a persistent tape around the step (reduction="auto")
@@ -520,12 +521,24 @@ class AccumulationHook:
         return step.uneven
 
     def _weight(self, step):
-        """The micro-batch's weight in its window (int64), resolved once."""
+        """The micro-batch's weight in its window (int64), resolved once.
+
+        Its count (`step.count`: what its loss averages over), except for a
+        micro-batch that counts nothing (every token masked: Keras makes its
+        loss 0) while its window has counted nothing yet: weighted by its
+        samples then, so that a window of only such micro-batches applies
+        their mean gradient (the regularisers', as the large batch does).
+        The first micro-batch that counts empties what they added.
+        """
         if step.weight is None:
             if step.items is not None:
-                step.weight = step.items.resolve(step.samples, self._warn_items)
+                step.count = step.items.resolve(step.samples, self._warn_items)
+                open_items = self.counts.read()["window_items"]
+                step.weight = tf.where(
+                    step.count > 0, step.count,
+                    tf.where(open_items > 0, tf.zeros_like(step.samples), step.samples))
             else:
-                step.weight = step.samples
+                step.count = step.weight = step.samples
         return step.weight
 
     # The hook's graph code needs no AutoGraph (tf_keras converts the train
@@ -579,7 +592,8 @@ class AccumulationHook:
         with tf.init_scope():
             self._api.build_optimizer(self._optimizer, variables)
         samples = step.samples
-        items = self._weight(step)
+        weight = self._weight(step)
+        items = step.count
         uneven = self._uneven_outputs(step)
         window_grads, window_loss = grads, step.loss
         if uneven:
@@ -597,8 +611,8 @@ class AccumulationHook:
             self.channels.track(per_output, variables)
         gradient_scale = self._api.loss_scale(self._optimizer)
         if step.weighted_by_loss:
-            weight = tf.cast(items, tf.float32)
-            gradient_scale = weight if gradient_scale is None else gradient_scale * weight
+            factor = tf.cast(weight, tf.float32)
+            gradient_scale = factor if gradient_scale is None else gradient_scale * factor
         if self._loss_share != 1.0:
             # Keras divides each replica's loss by the number of replicas.
             share = tf.constant(self._loss_share, tf.float32)
@@ -620,9 +634,11 @@ class AccumulationHook:
         totals = dict(samples=samples, items=items) if self._replicas == 1 else {}
 
         def add():
+            if step.items is not None:
+                self._forget_uncounted(items)
             window.add(
-                window_grads, variables, items if weighted else None, loss=window_loss,
-                items=items,
+                window_grads, variables, weight if weighted else None, loss=window_loss,
+                items=items, samples=samples,
             )
             if uneven:
                 self.channels.add(per_output, variables, [o.count for o in uneven],
@@ -672,6 +688,18 @@ class AccumulationHook:
             lambda: tf.constant(False),
         )
         _keras.keep_as_function_call(applied)
+
+    def _forget_uncounted(self, items):
+        """Empties the accumulators when the first micro-batch that counts joins a window
+        of micro-batches that counted nothing (see `_weight`)."""
+        counts = self.counts.read()
+        uncounted = tf.logical_and(counts["window_items"] <= 0, counts["window_samples"] > 0)
+
+        def forget():
+            self.window.clear_gradients()
+            return tf.constant(True)
+
+        tf.cond(tf.logical_and(uncounted, items > 0), forget, lambda: tf.constant(False))
 
     def _make_channels(self, uneven, variables):
         """Makes `self.channels` while the step traces (once, for every replica).
@@ -860,15 +888,26 @@ class AccumulationHook:
         window["loss_sum"] = self.window.loss_sum.read_value()
         return window
 
-    def _denominator(self, window):
-        """What the window's sum is divided by, for `self.reduction`."""
+    def _denominator(self, window, local):
+        """What the window's sum is divided by, for `self.reduction`.
+
+        `local`: this replica's window (the same as `window` on one device).
+        """
         if self.reduction in ("auto", "samples"):
             # Keras divides each replica's loss by the number of replicas
             # (`_loss_share`) and sums their gradients: undo the first, let
             # it do the second.
-            denominator = window["window_items" if self.reduction == "auto" else "window_samples"]
+            if self.reduction == "auto":
+                denominator = _counted_or_samples(window)
+            else:
+                denominator = window["window_samples"]
             if self._replicas > 1:
                 denominator = tf.cast(denominator, tf.float64) * self._loss_share
+                if self.reduction == "auto":
+                    # A replica whose share counted nothing in a window that
+                    # counted something holds only uncounted micro-batches.
+                    kept = tf.logical_or(local["window_items"] > 0, window["window_items"] <= 0)
+                    denominator = tf.where(kept, denominator, float("inf"))
             return denominator
         if self.reduction == "mean":
             micro_batches = window["window_micro_batches"] - window["window_nonfinite"]
@@ -891,7 +930,7 @@ class AccumulationHook:
         if self._replicas > 1:  # what the reduced window adds to the totals
             counts = dict(counts, nonfinite_skips=counts["nonfinite_skips"]
                           + window["window_nonfinite"])
-        grads = self.window.gradients(self._denominator(window))
+        grads = self.window.gradients(self._denominator(window, local))
         if self.channels is not None:
             grads = self.channels.combine(grads, window.get("channel_items"))
         variables = self.window.variables
@@ -923,8 +962,10 @@ class AccumulationHook:
 
         Keras divides each replica's loss by the number of replicas: undone.
         """
-        items = tf.maximum(tf.cast(window["window_items"], tf.float64), 1.0)
-        loss = window["loss_sum"] / items / self._loss_share
+        counted = window["window_items"] > 0
+        loss_sum = tf.where(counted, window["loss_sum"][0], window["loss_sum"][1])
+        denominator = tf.maximum(tf.cast(_counted_or_samples(window), tf.float64), 1.0)
+        loss = loss_sum / denominator / self._loss_share
         if self.channels is not None:
             loss += self.channels.loss(
                 window.get("channel_items"), window.get("channel_loss_sums"))
@@ -1006,6 +1047,11 @@ class AccumulationHook:
         with self._strategy.scope():
             micro_batches, samples = self._drop_function()
         return Window(int(micro_batches), int(samples))
+
+
+def _counted_or_samples(window):
+    """The window's items, or its samples where it counted no item (see `_weight`)."""
+    return tf.where(window["window_items"] > 0, window["window_items"], window["window_samples"])
 
 
 def _share_like(grad, share, factor, scale, variable):

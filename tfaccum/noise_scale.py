@@ -63,7 +63,10 @@ class NoiseScaleEstimator(WindowObserver):
     # Batch sizes are in the unit the window weights by: samples, or under
     # reduction="auto" with masked losses the items (tokens) averaged over.
     def on_micro_step(self, step):
-        self.add_micro_batch(step.mean_squared_norm, step.samples if step.items is None else step.items)
+        items = step.samples if step.items is None else step.items
+        # A micro-batch that counts no item (or was weighted by 0) says nothing.
+        self.add_micro_batch(step.mean_squared_norm,
+                             tf.where(step.measured, items, tf.zeros_like(items)))
 
     def on_apply(self, update):
         self.add_window(update.mean_squared_norm, samples=update.window["window_items"])
@@ -86,7 +89,7 @@ class NoiseScaleEstimator(WindowObserver):
         samples = tf.cast(samples, tf.float32)
         self._micro_squares.assign_add(samples * square)
         self._micro_samples.assign_add(samples)
-        self._micro_batches.assign_add(1.0)
+        self._micro_batches.assign_add(tf.cast(samples > 0, tf.float32))
 
     def add_window(self, window_square, samples):
         """Adds one window's estimates, from the batches added since the last.

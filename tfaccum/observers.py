@@ -96,10 +96,22 @@ class MicroStep:
     mean_divisor: object = None
 
     @functools.cached_property
+    def measured(self):
+        """Whether `grads` tell the micro-batch's own gradient (a bool tensor).
+
+        Not when they were multiplied by 0: a micro-batch that counts no item
+        (every token masked) weighs nothing in a window that counts some.
+        """
+        if self.gradient_scale is None:
+            return tf.constant(True)
+        return tf.not_equal(self.gradient_scale, 0.0)
+
+    @functools.cached_property
     def squared_norm(self):
         """Squared L2 norm of the micro-batch's own loss gradient (float32).
 
-        Computed once per traced step, however many observers ask.
+        Computed once per traced step, however many observers ask; 0 where
+        it is not `measured`.
         """
         return _divided(squared_norm(self.grads), self.gradient_scale)
 
@@ -163,7 +175,7 @@ class Update:
 
 
 def _divided(square, scale):
-    """A squared norm of gradients multiplied by `scale`, undone (`None`: as is)."""
+    """A squared norm of gradients multiplied by `scale`, undone (`None`: as is; 0: 0)."""
     if scale is None:
         return square
-    return square / tf.square(tf.cast(scale, tf.float32))
+    return tf.math.divide_no_nan(square, tf.square(tf.cast(scale, tf.float32)))

@@ -88,10 +88,10 @@ class AccumulationSummaries(WindowObserver):
 
     def on_micro_step(self, step):
         """Adds one micro-batch's gradient norm (few ops: every micro-step)."""
-        norm = tf.sqrt(step.squared_norm)
+        norm = tf.sqrt(step.squared_norm)  # 0 where not measured
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
-        self._micro_count.assign_add(1.0)
+        self._micro_count.assign_add(tf.cast(step.measured, tf.float32))
 
     def on_install(self, hook):
         # Sized by the model's variables, on the host; a model not built

@@ -241,9 +241,10 @@ class AccumulationWindow:
         self.counts = Counts(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
         with tf.init_scope(), strategy.scope():
-            # The window's micro-batch losses, each times its weight (items).
+            # The window's micro-batch losses, each times its items and
+            # each times its samples (for a window of no items at all).
             self.loss_sum = tf.Variable(
-                tf.zeros((), tf.float64),
+                tf.zeros((2,), tf.float64),
                 trainable=False,
                 name="window_loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -299,19 +300,23 @@ class AccumulationWindow:
     def uses_rows(self, variable):
         return isinstance(self._accumulators.get(id(variable)), _RowAccumulator)
 
-    def add(self, grads, variables, weight=None, loss=None, items=None):
+    def add(self, grads, variables, weight=None, loss=None, items=None, samples=None):
         """Adds a micro-batch's gradients, each multiplied by `weight` if given.
 
-        `loss` (its mean loss, if known) is added times `items`, its weight
-        in the window, for the window's loss.
+        `loss` (its mean loss, if known) is added times `items` and times
+        `samples`, for the window's loss (see `loss()`).
         """
         for grad, variable in zip(grads, variables):
             if grad is not None:
                 self._accumulators[id(variable)].add(grad, weight)
         if loss is not None:
-            self.loss_sum.assign_add(
-                tf.cast(loss, tf.float64) * tf.cast(items, tf.float64)
-            )
+            counts = tf.cast(tf.stack([items, 0 if samples is None else samples]), tf.float64)
+            self.loss_sum.assign_add(tf.cast(loss, tf.float64) * counts)
+
+    def clear_gradients(self):
+        """Empties the accumulators only (counts and losses stay)."""
+        for accumulator in self._accumulators.values():
+            accumulator.reset()
 
     def gradients(self, denominator=None):
         """The window's gradients for `self.variables`, divided by `denominator`.
@@ -337,8 +342,7 @@ class AccumulationWindow:
 
     def reset(self):
         """Empties the accumulators (the counts are the caller's to adjust)."""
-        for accumulator in self._accumulators.values():
-            accumulator.reset()
+        self.clear_gradients()
         self.loss_sum.assign(tf.zeros_like(self.loss_sum))
 
     def nbytes(self):
@@ -396,7 +400,7 @@ class OutputChannels:
         """Each output's count and loss sum over every replica (cross-replica)."""
         return {
             "channel_items": [w.counts.global_read()["window_items"] for w in self.windows],
-            "channel_loss_sums": [w.loss_sum.read_value() for w in self.windows],
+            "channel_loss_sums": [w.loss_sum.read_value()[0] for w in self.windows],
         }
 
     def _totals(self, totals):
@@ -417,7 +421,7 @@ class OutputChannels:
     def loss(self, totals=None, loss_sums=None):
         """The outputs' part of the window's loss: each weighted mean over its total."""
         if loss_sums is None:
-            loss_sums = [window.loss_sum.read_value() for window in self.windows]
+            loss_sums = [window.loss_sum.read_value()[0] for window in self.windows]
         return tf.add_n([
             weight * loss_sum / total / self._loss_share
             for weight, loss_sum, total in zip(self.weights, loss_sums, self._totals(totals))
