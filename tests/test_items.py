@@ -6,6 +6,7 @@ own; the large batch divides once by the window's total. Under
 Every test here also checks that sample weighting alone is measurably off.
 """
 
+import re
 import warnings
 
 from conftest import keras
@@ -359,3 +360,81 @@ def test_a_loss_that_returns_a_python_number():
         warnings.simplefilter("ignore")  # Keras: nothing to train
         model.fit(x, x, batch_size=2, epochs=1, verbose=0, callbacks=[callback])
     assert callback.micro_steps == 4
+
+
+@pytest.mark.parametrize("items, error, received", [
+    (True, TypeError, "True"),
+    (None, TypeError, "None"),
+    ("4", TypeError, "'4'"),
+    ([1, 2], TypeError, "[1, 2]"),
+    (-4, ValueError, "-4"),
+    (2.5, ValueError, "2.5"),
+    (0.4, ValueError, "0.4"),
+    (float("nan"), ValueError, "nan"),
+    (float("inf"), ValueError, "inf"),
+    (1e30, ValueError, "1e+30"),
+    (2**62, ValueError, str(2**62)),
+    (np.float32(2.5), ValueError, "np.float32(2.5)"),
+])
+def test_count_items_refuses_what_is_no_count(items, error, received):
+    with pytest.raises(error, match=r"`count_items\(\)`.*Received: items=" + re.escape(received)):
+        tfaccum.count_items(items)
+
+
+@pytest.mark.parametrize("items", [0, 7, 7.0, np.int32(7), 2**40])
+def test_count_items_takes_whole_numbers(items):
+    assert tfaccum.count_items(items) is items
+
+
+class CountedBy(keras.losses.Loss):
+    """A token mean loss that tells `count_items` what `count(valid)` says."""
+
+    def __init__(self, count, twice=False):
+        super().__init__(reduction="sum")
+        self.count, self.twice = count, twice
+
+    def call(self, y_true, y_pred):
+        valid = tf.cast(y_true >= 0, tf.float32)
+        per_token = keras.losses.sparse_categorical_crossentropy(
+            tf.maximum(y_true, 0), y_pred, from_logits=True) * valid
+        items = tfaccum.count_items(self.count(tf.reduce_sum(valid)))
+        if self.twice:
+            tfaccum.count_items(items)
+        return tf.math.divide_no_nan(tf.reduce_sum(per_token), tf.cast(items, tf.float32))
+
+
+def fit_counted(count, twice=False):
+    tokens, _, ignored, _ = sequences()
+    model = sequence_model(mask_zero=False)
+    model.compile(optimizer="sgd", loss=CountedBy(count, twice))
+    model.fit(tokens, ignored, batch_size=MICRO, epochs=1, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=STEPS)])
+    return model
+
+
+@pytest.mark.parametrize("count, message", [
+    (lambda n: n - 1000.0, "a count >= 0"),
+    (lambda n: n + 0.5, "a whole number"),
+    (lambda n: n / 0.0, "finite"),
+    (lambda n: n * 1e30, "at most"),
+])
+def test_count_items_refuses_bad_counts_at_run_time(count, message):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"count_items.*{message}"):
+        fit_counted(count)
+    model = fit_counted(lambda n: n)  # the model was left plain, and trains
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+@pytest.mark.parametrize("count, error, message", [
+    (lambda n: tf.stack([n, n]), ValueError, "a scalar"),
+    (lambda n: tf.strings.as_string(n), TypeError, "a number"),
+    (lambda n: n > 0, TypeError, "a number"),
+])
+def test_count_items_refuses_what_is_no_count_while_tracing(count, error, message):
+    with pytest.raises(error, match=f"count_items.*{message}"):
+        fit_counted(count)
+
+
+def test_count_items_once_per_step():
+    with pytest.raises(ValueError, match=r"count_items\(\)` was called 2 times"):
+        fit_counted(lambda n: n, twice=True)

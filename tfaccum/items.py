@@ -12,9 +12,11 @@ custom steps and losses a way to say it themselves: `count_items()`.
 
 import collections
 import contextlib
+import numbers
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from tfaccum import _keras
@@ -41,6 +43,18 @@ class ItemCount:
     def __init__(self):
         self.per_output = []
         self.explicit = None
+        self._said = 0
+
+    def say(self, count):
+        """Takes the count given with `count_items()` (once per step)."""
+        self._said += 1
+        if self._said > 1:
+            raise ValueError(
+                f"`count_items()` was called {self._said} times in one train step; "
+                "the window weights each micro-batch by one count. Call it once, "
+                "with the total of what the step's loss was divided by."
+            )
+        self.explicit = count
 
     def uneven_outputs(self):
         """Outputs that need their own accumulator: several compiled losses,
@@ -74,6 +88,11 @@ class ItemCount:
         return samples
 
 
+# The largest count a micro-batch may say it averaged over: its window's
+# int64 total then holds 2**23 such micro-batches.
+MAX_ITEMS = 2**40
+
+
 def count_items(items):
     """Tells gradient accumulation what this micro-batch's loss is an average over.
 
@@ -81,13 +100,16 @@ def count_items(items):
     items (tokens, pixels, ...) the micro-batch's loss was divided by. The
     window then weights each micro-batch by it and divides by the window's
     total, as one large batch would: Hugging Face's `num_items_in_batch`.
-    Outside a step that an accumulation hook traces, it does nothing. It
-    takes precedence over what tfaccum finds in Keras' compiled losses.
+    A micro-batch may count 0 items (every token masked): its loss must then
+    be 0, as Keras makes it. Outside a step that an accumulation hook traces,
+    it does nothing. It takes precedence over what tfaccum finds in Keras'
+    compiled losses. Call it once per step.
 
     Args:
-        items: A scalar (Python number or tensor): the count this micro-batch's
-            loss was divided by. Under a `tf.distribute` strategy, this
-            replica's count.
+        items: A whole number >= 0 and at most 2**40 (a Python or NumPy
+            number, or a scalar tensor, checked when the step runs): the
+            count this micro-batch's loss was divided by. Under a
+            `tf.distribute` strategy, this replica's count.
 
     Returns:
         `items`, unchanged, so that it can wrap the divisor in place.
@@ -101,13 +123,62 @@ def count_items(items):
             per_token = ops.sparse_categorical_crossentropy(
                 ops.maximum(y_true, 0), y_pred) * valid
             items = tfaccum.count_items(ops.sum(valid))
-            return ops.sum(per_token) / items  # a token mean
+            return ops.divide_no_nan(ops.sum(per_token), items)  # a token mean
     ```
     """
+    if not tf.is_tensor(items):
+        _check_number(items)
     count = getattr(_current, "count", None)
     if count is not None:
-        count.explicit = tf.cast(tf.round(tf.cast(items, tf.float64)), tf.int64)
+        count.say(_checked_count(items))
     return items
+
+
+def _refuse(error, problem, items):
+    raise error(
+        f"`count_items()` takes what one micro-batch's loss was divided by: {problem}. "
+        f"Received: items={items!r}"
+    )
+
+
+def _check_number(items):
+    """Checks a Python or NumPy count on the host."""
+    if isinstance(items, (bool, np.bool_)) or not isinstance(items, numbers.Real):
+        _refuse(TypeError, "a whole number (a Python or NumPy number, or a scalar tensor)", items)
+    value = float(items)
+    if value != value or value in (float("inf"), float("-inf")):
+        _refuse(ValueError, "a finite number", items)
+    if value < 0:
+        _refuse(ValueError, "a count >= 0", items)
+    if value != int(value):
+        _refuse(ValueError, "a whole number", items)
+    if int(items) > MAX_ITEMS:
+        _refuse(ValueError, f"at most {MAX_ITEMS} (2**40) items", items)
+
+
+def _checked_count(items):
+    """`items` as an int64 scalar tensor, checked while the step traces and runs."""
+    if not tf.is_tensor(items):
+        return tf.constant(int(items), tf.int64)
+    dtype = tf.as_dtype(items.dtype)
+    if not (dtype.is_integer or dtype.is_floating) or dtype == tf.bool:
+        _refuse(TypeError, f"a number, not a tensor of {dtype.name}", items)
+    if items.shape.rank is not None and items.shape.rank != 0:
+        _refuse(ValueError, f"a scalar, not a tensor of shape {items.shape}", items)
+    value = tf.cast(items, tf.float64)
+    checks = [
+        (tf.math.is_finite(value), "a finite number"),
+        (value >= 0.0, "a count >= 0"),
+        (tf.equal(tf.round(value), value), "a whole number"),
+        (value <= float(MAX_ITEMS), f"at most {MAX_ITEMS} (2**40) items"),
+    ]
+    asserts = [
+        tf.debugging.Assert(ok, [f"`count_items()` takes what one micro-batch's loss was "
+                                 f"divided by: {problem}. Received: items=", value])
+        for ok, problem in checks
+    ]
+    with tf.control_dependencies(asserts):
+        return tf.cast(tf.reshape(value, []), tf.int64)
 
 
 class LossCounting:
