@@ -272,6 +272,9 @@ def test_a_users_instance_attributes_come_back():
         (dict(accumulation_steps=lambda a, b: 4), TypeError, r"with signature \(a, b\)"),
         (dict(write_interval=0), ValueError, r"`write_interval` must be a number of seconds > 0. Received: write_interval=0"),
         (dict(sparse_gradients="sparse"), ValueError, r"`sparse_gradients` must be one of 'rows', 'dense'. Received: sparse_gradients='sparse'"),
+        (dict(log_dir="logs/a\x00b"), ValueError, r"`log_dir` must not hold a NUL character. Received: log_dir='logs/a\\x00b'"),
+        (dict(leftover=np.array([1, 2])), ValueError, r"`leftover` must be one of 'flush', 'carry', 'drop'. Received: leftover=array\(\[1, 2\]\)"),
+        (dict(reduction=np.array(["auto"])), ValueError, r"`reduction` must be one of .*Received: reduction=array\(\['auto'\]"),
     ],
 )
 def test_bad_input_is_refused_by_name(kwargs, error, message):
@@ -287,6 +290,21 @@ def test_an_unwritable_log_dir_is_refused_at_construction(tmp_path):
         GradientAccumulationCallback(accumulation_steps=2, log_dir=blocker / "logs")
     assert not (tmp_path / "ok").exists()
     GradientAccumulationCallback(accumulation_steps=2, log_dir=tmp_path / "ok" / "deeper")
+
+
+def test_a_log_dir_that_cannot_hold_files_is_refused_before_training(tmp_path):
+    log_dir = tmp_path / "logs"
+    callback = GradientAccumulationCallback(accumulation_steps=2, log_dir=log_dir)
+    log_dir.write_text("a file where the directory should be")  # after the constructor's check
+    model = make_model()
+    before = model.get_weights()
+    x, y = make_data(n=16)
+    with pytest.raises(ValueError, match=r"`log_dir` cannot hold the summaries: .*Received: log_dir="):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations) == 0  # not one batch trained
+    assert max(np.abs(a - b).max() for a, b in zip(before, model.get_weights())) == 0
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # and the model trains plainly
+    assert int(model.optimizer.iterations) == 4
 
 
 def test_install_on_something_that_is_no_model():

@@ -322,6 +322,37 @@ def fit_is_running(model):
         del frame
 
 
+def fit_callback_list(callback):
+    """The `CallbackList` of the running `fit` that holds `callback`, or `None`.
+
+    Called from a callback's `on_train_begin`: walks up the frames to the
+    `CallbackList` (Keras 3's or tf_keras') calling it. Neither Keras gives a
+    callback its siblings; the list and its `callbacks` attribute are public
+    (Keras 3.7-3.15, tf_keras 2.16-2.21).
+    """
+    classes = [keras.callbacks.CallbackList]
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None:
+        classes.append(tf_keras.callbacks.CallbackList)
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, tuple(classes)) and any(c is callback for c in owner.callbacks):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def orbax_checkpoint_class():
+    """`keras.callbacks.OrbaxCheckpoint` (Keras 3.14+), or `None`."""
+    return getattr(keras.callbacks, "OrbaxCheckpoint", None)
+
+
 def flatten_layers(model):
     """Every layer nested in `model`, at any depth (not `model` itself).
 

@@ -5,6 +5,8 @@ import numbers
 import os
 import warnings
 
+import tensorflow as tf
+
 from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
 from tfaccum.hook import AccumulationHook
@@ -60,6 +62,8 @@ def check_log_dir(log_dir):
             "`log_dir` must name a directory; pass None for no summaries. "
             f"Received: log_dir={log_dir!r}"
         )
+    if "\x00" in path:
+        raise ValueError(f"`log_dir` must not hold a NUL character. Received: log_dir={log_dir!r}")
     if "://" in path:
         return path
     existing = os.path.abspath(path)
@@ -78,8 +82,23 @@ def check_log_dir(log_dir):
     return path
 
 
+def probe_log_dir(log_dir):
+    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
+    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
+    try:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as file:
+            file.write("")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        raise ValueError(
+            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
+            f"{error}. Received: log_dir={log_dir!r}"
+        ) from error
+
+
 def _check_leftover(leftover):
-    if leftover not in LEFTOVERS:
+    if not isinstance(leftover, str) or leftover not in LEFTOVERS:
         raise ValueError(
             f"`leftover` must be one of {', '.join(map(repr, LEFTOVERS))}. "
             f"Received: leftover={leftover!r}"
@@ -328,6 +347,9 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        self._first_among_callbacks()
+        if self.log_dir is not None and model.distribute_strategy.extended.should_save_summary:
+            probe_log_dir(self.log_dir)
         hook = self._reusable_hook(model)
         if hook is not None:
             if hook is not self.hook:
@@ -344,6 +366,36 @@ class GradientAccumulationCallback(_keras.Callback):
             self._summary_headroom = self.summaries.capacity - (
                 hook._api.steps_per_execution(model)
             )
+
+    def _first_among_callbacks(self):
+        """Refuses checkpoints that cannot resume accumulation; runs first.
+
+        Moves this callback to the front of the fit's callbacks, so that a
+        window ends before any other callback's epoch-end work (a checkpoint
+        or a backup) sees the weights, also where the epoch's length is
+        unknown and the window can only end in `on_epoch_end`.
+        """
+        callbacks = _keras.fit_callback_list(self)
+        if callbacks is None:
+            return
+        orbax = _keras.orbax_checkpoint_class()
+        for other in callbacks.callbacks:
+            if (orbax is not None and isinstance(other, orbax)
+                    and not isinstance(other.save_freq, str) and not self.schedule.always_one):
+                raise ValueError(
+                    "OrbaxCheckpoint with an integer `save_freq` cannot resume gradient "
+                    "accumulation: it counts batches from `optimizer.iterations`, which "
+                    "counts optimizer updates (one per window), so a resumed `fit` saves "
+                    "steps that already exist (StepAlreadyExistsError; Keras' own "
+                    "`gradient_accumulation_steps` fails alike). Use "
+                    "OrbaxCheckpoint(save_freq='epoch') (with `initial_epoch` when "
+                    "resuming) or keras.callbacks.ModelCheckpoint. Received: "
+                    f"OrbaxCheckpoint(save_freq={other.save_freq!r}) with "
+                    f"accumulation_steps={self.accumulation_steps!r}"
+                )
+        if callbacks.callbacks[0] is not self:
+            callbacks.callbacks.remove(self)
+            callbacks.callbacks.insert(0, self)
 
     def _configuration(self):
         """What a hook must have been made with for this callback to reuse it."""
