@@ -390,3 +390,38 @@ def test_synchronized_pools_the_window_across_replicas(leftover):
         value = getattr(variable, "value", variable)
         local = strategy.experimental_local_results(value)
         np.testing.assert_array_equal(np.asarray(local[0]), np.asarray(local[-1]))
+
+@pytest.mark.parametrize("sharing", ["layer", "sub-model"])
+def test_a_shared_layer_is_refused_by_name(sharing):
+    # BatchNormalization moves a shared layer's statistics once per call;
+    # a window pools once per layer: neither would be the large batch's.
+    keras.utils.set_random_seed(1)
+    first, second = keras.Input((5,)), keras.Input((5,))
+    bn = keras.layers.BatchNormalization(momentum=0.5, name="shared_bn")
+    if sharing == "sub-model":
+        bn = keras.Sequential([keras.Input((5,)), bn], name="tower")
+    joined = keras.layers.Concatenate()([bn(first), bn(second)])
+    model = tfaccum.convert_batch_norm(keras.Model([first, second], keras.layers.Dense(1)(joined)),
+                                       verbose=0)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = shifted_data(n=32)
+    with pytest.raises(ValueError, match=r"AccumBatchNormalization layer 'shared_bn' is called 2 "
+                       r"times in one train step .*Give each call a layer of its own"):
+        model.fit([x, x + 1.0], y, batch_size=4, verbose=0,
+                  callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    assert iterations(model) == 0
+    with pytest.warns(UserWarning, match="did not finish"):
+        model.fit([x, x + 1.0], y, batch_size=4, verbose=0)  # the model trains plainly
+    assert iterations(model) == 8
+
+
+def test_a_layer_called_once_per_step_is_not_shared():
+    """Traced again (a new graph), or stepped eagerly: one call per step each time."""
+    x, y = shifted_data(n=32)
+    for run_eagerly in (False, True):
+        model = bn_model(AccumBatchNormalization)
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+        for _ in range(2):
+            model.fit(x, y, batch_size=4, verbose=0,
+                      callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+        assert iterations(model) == 4

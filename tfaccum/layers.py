@@ -3,6 +3,7 @@
 import collections
 import os
 import tempfile
+import threading
 import warnings
 
 import keras
@@ -26,7 +27,9 @@ class PooledMoments:
     stay those of `BatchNormalization`.
     """
 
-    def __init__(self, shape, strategy):
+    def __init__(self, shape, strategy, name="batch_normalization"):
+        self.name = name
+        self._traced = threading.local()  # forward passes staged per graph, per thread
         with tf.init_scope(), strategy.scope():
 
             def variable(name, value):
@@ -59,8 +62,30 @@ class PooledMoments:
         into_count.assign(total)
 
     def stage(self, count, mean, variance):
-        """Adds a forward pass's statistics to the micro-batch being trained."""
+        """Adds a forward pass's statistics to the micro-batch being trained.
+
+        Raises if the layer is called twice in one step (a shared layer):
+        `BatchNormalization` moves its statistics once per call, a window
+        pools them once per layer, so neither would be the large batch's.
+        """
+        calls = self._calls()
+        graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
+        calls[graph] = calls.get(graph, 0) + 1
+        if calls[graph] > 1:
+            raise ValueError(
+                f"AccumBatchNormalization layer {self.name!r} is called {calls[graph]} "
+                "times in one train step (shared between inputs, or inside a shared "
+                "sub-model). BatchNormalization moves its statistics once per call; "
+                "a window pools them once per layer: a shared layer cannot be the "
+                "large batch's. Give each call a layer of its own, or keep this one a "
+                "plain keras.layers.BatchNormalization."
+            )
         self._combine(self._staged, count, mean, variance * count)
+
+    def _calls(self):
+        if not hasattr(self._traced, "calls"):
+            self._traced.calls = {}
+        return self._traced.calls
 
     def commit(self):
         """Moves the staged micro-batch into the window."""
@@ -75,6 +100,7 @@ class PooledMoments:
 
     def discard(self):
         """Forgets the staged micro-batch (its gradient was left out)."""
+        self._calls().clear()  # the step's forward passes are done
         _zero(self._staged)
 
     def moments(self, across_replicas=False):
@@ -161,7 +187,7 @@ class WindowedMoments:
                 "`renorm=True` is not supported under gradient accumulation. "
                 "Received: renorm=True"
             )
-        return PooledMoments(tuple(self.moving_mean.shape), strategy)
+        return PooledMoments(tuple(self.moving_mean.shape), strategy, name=self.name)
 
     def _set_window(self, window):
         object.__setattr__(self, "_window", window)  # untracked: not a weight
