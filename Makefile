@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Two processes (CI has 2 cores); a file's tests stay in one, with its fixtures.
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: test test-oldest demo benchmark proto clean
+.PHONY: test test-oldest fuzz demo benchmark proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest $(XDIST) $(OLDEST_TESTS) $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(OLDEST_VENV)/bin/python -m pytest $(XDIST) -m "not keras3" \
 		tests/test_hook.py tests/test_features_meet.py tests/test_transparency.py $(PYTEST_ARGS)
+
+# Differential fuzzing at length: random cases (the suite runs a fixed set of
+# 25), tfaccum against plain Keras at the large batch. FUZZ_SEED repeats a run.
+FUZZ_EXAMPLES ?= 300
+fuzz: $(VENV)/.installed-test
+	TFACCUM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TFACCUM_FUZZ_RANDOM=1 $(BIN)/python -m pytest \
+		-p no:cacheprovider tests/test_fuzz.py $(if $(FUZZ_SEED),--hypothesis-seed=$(FUZZ_SEED)) $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed-examples
 	rm -rf runs/demo
