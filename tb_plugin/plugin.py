@@ -221,7 +221,9 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         read = min(self._downsample_to, READ_FACTOR * points)
         data = self._read(ctx, experiment, run, [t for t in update_tags if t in tags], read,
                           problems)
-        applied = data.get(_APPLIED, [])
+        # One point per step, the last written (as for every other series),
+        # in step order: a run written twice into one directory repeats steps.
+        applied = sorted(dict(data.get(_APPLIED, [])).items())
         keep = downsample_min_max([value for _, value in applied], points)
         steps = [applied[i][0] for i in keep]
         series = {}
