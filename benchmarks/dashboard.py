@@ -7,10 +7,14 @@ on 127.0.0.1 and sends 2,000 requests from 16 concurrent clients, one third
 TensorBoard's default retention and once with
 `--samples_per_plugin=accumulation=0` (everything kept). Prints requests per
 second, latency percentiles, the first (uncached) answer of each run's series,
-and TensorBoard's resident memory before and after.
+and TensorBoard's resident memory before and after. Each row is measured on
+`--repeats` fresh TensorBoard processes (median and range), for each of
+TensorBoard's loaders: its Rust data server (`--load_fast=true`, what
+`auto` picks where it runs) and its Python loader (`--load_fast=false`,
+what `auto` falls back to where the data server cannot run).
 
     python benchmarks/dashboard.py [--runs 5] [--updates 20000] [--requests 2000]
-        [--clients 16] [--load_fast true|false]
+        [--clients 16] [--repeats 3] [--loaders rust,python]
 """
 
 import argparse
@@ -119,22 +123,26 @@ class TensorBoard:
 
 
 def wait_loaded(tb, runs, updates, keep_all):
-    """Until every run is listed with all its updates (and, keeping all, all read)."""
+    """Until every run is listed with all its updates and, keeping all, every
+    run's series reads them all; then until TensorBoard lists the same twice."""
     import json
 
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + 1800
+    previous = None
     while time.monotonic() < deadline:
         try:
             listed = json.loads(tb.get(API + "runs"))["runs"]
-            if len(listed) == runs and all(r["updates"] == updates for r in listed):
-                if not keep_all:
-                    return
-                sampled = json.loads(tb.get(API + f"series?run=run-{runs - 1}"))["sampled"]
-                if sampled >= min(updates, 4000):
-                    return
+            loaded = len(listed) == runs and all(r["updates"] == updates for r in listed)
+            if loaded and keep_all:  # (other parameters: the measured answers stay cold)
+                loaded = all(
+                    json.loads(tb.get(API + f"series?run={r['run']}&points={updates}"))[
+                        "sampled"] == updates for r in listed)
+            if loaded and listed == previous:
+                return
+            previous = listed if loaded else None
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(2)
     raise SystemExit("TensorBoard never loaded the runs:\n" + "".join(tb.log[-20:]))
 
 
@@ -158,6 +166,35 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values) * 1000, q))
 
 
+def measure(root, args, flags, keep_all):
+    """One fresh TensorBoard: its first answers, then the concurrent load."""
+    tb = TensorBoard(root, *flags)
+    try:
+        wait_loaded(tb, args.runs, args.updates, keep_all)
+        first = []
+        for r in range(args.runs):
+            begin = time.perf_counter()
+            tb.get(API + f"series?run=run-{r}")
+            first.append(time.perf_counter() - begin)
+        before = tb.rss_mb()
+        latencies, wall = load(tb, args.runs, args.requests, args.clients)
+        after = tb.rss_mb()
+    finally:
+        tb.stop()
+    return dict(rate=len(latencies) / wall, p50=percentile(latencies, 50),
+                p90=percentile(latencies, 90), p99=percentile(latencies, 99),
+                first=statistics.median(first) * 1000, before=before, after=after)
+
+
+def spread(results, key, digits=0):
+    """`median (min-max)` of one figure over the repeated measurements."""
+    values = sorted(r[key] for r in results)
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:.{digits}f}"
+    return f"{median:.{digits}f} ({values[0]:.{digits}f}-{values[-1]:.{digits}f})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -165,38 +202,37 @@ def main():
     parser.add_argument("--variables", type=int, default=4)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--load_fast", default="auto", choices=("auto", "true", "false"))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="fresh TensorBoard processes per row (the spread between them)")
+    parser.add_argument("--loaders", default="rust,python",
+                        help="TensorBoard's loaders to measure: rust (--load_fast=true), "
+                             "python (--load_fast=false)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
         write_runs(root, args.runs, args.updates, args.variables)
         print(f"wrote {args.runs} runs x {args.updates} updates in "
-              f"{time.perf_counter() - start:.0f} s")
-        print("| retention | requests/s | p50 (ms) | p90 (ms) | p99 (ms) | max (ms) "
-              "| first series per run (ms, median) | memory before -> after (MB) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for label, flags, keep_all in (
-                ("default (1,000 points)", [], False),
-                ("keep all (`accumulation=0`)", ["--samples_per_plugin=accumulation=0"], True)):
-            tb = TensorBoard(root, f"--load_fast={args.load_fast}", *flags)
-            try:
-                wait_loaded(tb, args.runs, args.updates, keep_all)
-                first = []
-                for r in range(args.runs):
-                    begin = time.perf_counter()
-                    tb.get(API + f"series?run=run-{r}")
-                    first.append(time.perf_counter() - begin)
-                before = tb.rss_mb()
-                latencies, wall = load(tb, args.runs, args.requests, args.clients)
-                after = tb.rss_mb()
-            finally:
-                tb.stop()
-            print(f"| {label} | {len(latencies) / wall:.0f} | {percentile(latencies, 50):.0f} "
-                  f"| {percentile(latencies, 90):.0f} | {percentile(latencies, 99):.0f} "
-                  f"| {percentile(latencies, 100):.0f} "
-                  f"| {statistics.median(first) * 1000:.0f} | {before:.0f} -> {after:.0f} |",
-                  flush=True)
+              f"{time.perf_counter() - start:.0f} s; {args.requests} requests from "
+              f"{args.clients} clients; median (min-max) of {args.repeats} fresh TensorBoards",
+              flush=True)
+        print("| loader | retention | requests/s | p50 (ms) | p90 (ms) | p99 (ms) "
+              "| first series per run (ms) | memory before -> after (MB) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for loader in args.loaders.split(","):
+            fast = {"rust": "true", "python": "false"}[loader]
+            for label, flags, keep_all in (
+                    ("default (1,000 points)", [], False),
+                    ("keep all (`accumulation=0`)", ["--samples_per_plugin=accumulation=0"],
+                     True)):
+                results = [measure(root, args, [f"--load_fast={fast}", *flags], keep_all)
+                           for _ in range(args.repeats)]
+                memory = (f"{statistics.median(r['before'] for r in results):.0f} -> "
+                          f"{statistics.median(r['after'] for r in results):.0f}")
+                print(f"| {loader} | {label} | {spread(results, 'rate')} | "
+                      f"{spread(results, 'p50')} | {spread(results, 'p90')} | "
+                      f"{spread(results, 'p99')} | {spread(results, 'first')} | {memory} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,59 @@ def batch_advice(batch, noise_scale):
     return "good"
 
 
+def run_advice(steps, noise, items, samples, micro_batches, flushed_steps):
+    """The batch-size advisor's verdict for one run, as the dashboard shows it.
+
+    B_simple: the run's last usable estimate (finite and positive). B: the
+    effective batch (`items`, or `samples` where the run counted no item) of
+    the run's last update, leaving out an update that flushed a partial
+    window (unless every update did): its window is shorter than the run's
+    accumulation_steps says. The micro-batch is B / micro-batches there, the
+    suggestion the accumulation_steps that makes B closest to B_simple, the
+    verdict `batch_advice`'s.
+
+    Args:
+        steps, noise, items, samples, micro_batches: One run's series (lists
+            of floats or `None`), aligned on `steps`.
+        flushed_steps: Steps of the run's flush events.
+
+    Returns:
+        `{advice: "less" | "more" | "good" | "unknown", suggested_steps,
+        noise_scale, batch, micro_batch, accumulation, step, last_step}`
+        (numbers or `None`).
+    """
+    def usable(value):
+        return value is not None and math.isfinite(value) and value > 0
+
+    noise_scale = next((v for v in reversed(noise) if usable(v)), None)
+    batch = items if any(usable(v) for v in items) else samples
+    flushed = set(flushed_steps)
+    at = last = -1
+    for i in range(len(steps) - 1, -1, -1):
+        if not usable(batch[i]) or not usable(micro_batches[i]):
+            continue
+        if last < 0:
+            last = i
+        if steps[i] not in flushed:
+            at = i
+            break
+    if at < 0:
+        at = last
+    result = {"advice": "unknown", "suggested_steps": None, "noise_scale": noise_scale,
+              "batch": None, "micro_batch": None, "accumulation": None, "step": None,
+              "last_step": steps[-1] if steps else None}
+    if at < 0:
+        return result
+    micro_batch = batch[at] / micro_batches[at]
+    result.update(batch=batch[at], micro_batch=micro_batch, accumulation=micro_batches[at],
+                  step=steps[at])
+    if noise_scale is None:
+        return result
+    result["suggested_steps"] = suggested_accumulation_steps(noise_scale, micro_batch)
+    result["advice"] = batch_advice(batch[at], noise_scale)
+    return result
+
+
 # Carried by the `runs` route for the dashboard.
 VOCABULARY = {
     "leftover_policies": list(LEFTOVER_POLICIES),

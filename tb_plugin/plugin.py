@@ -1,16 +1,16 @@
 """The "Accumulation" TensorBoard plugin: JSON routes and the ES-module page.
 
-Every route is a thin HTTP wrapper around a plain `*_impl` function that reads
-through `context.data_provider` only (see `http_api.md`).
+Every route is a thin HTTP wrapper around a plain `*_impl` function that
+answers its JSON text, reading through `context.data_provider` only (see
+`http_api.md`); what is kept between requests is in `cache.py`, the
+downsampling for drawing in `downsample.py`.
 """
 
 import collections
 import functools
 import importlib.resources
-import json
 import math
 import numbers
-import threading
 
 from tensorboard import context
 from tensorboard import errors
@@ -20,7 +20,11 @@ from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from tb_plugin import cache
 from tb_plugin import metadata
+from tb_plugin.downsample import downsample_min_max
+from tb_plugin.downsample import finite_or_text
+from tb_plugin.downsample import heat_map
 
 DEFAULT_POINTS = 1000  # points per chart line sent to the page
 DEFAULT_COLUMNS = 120  # heat map columns sent to the page
@@ -40,7 +44,8 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         self._data_provider = context.data_provider
         hint = (context.sampling_hints or {}).get(self.plugin_name)
         self._downsample_to = _ALL if hint == 0 else (hint or metadata.DEFAULT_SAMPLES)
-        self._answers = AnswerCache()
+        self._answers = cache.AnswerCache()
+        self._listings = cache.Listings()
 
     def get_plugin_apps(self):
         apps = {"/runs": self._serve_runs, "/series": self._serve_series,
@@ -70,11 +75,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _serve_runs(self, request):
         ctx, experiment = _context(request)
-        listing = self._list(ctx, experiment)
-        generation = tuple((run, listed.generation) for run, listed in sorted(listing.items()))
-        body = self._answers.get(("runs", experiment), generation,
-                                 lambda: self._runs(listing))
-        return _respond_json(request, body)
+        return _respond_json(request, self.runs_impl(ctx, experiment))
 
     @wrappers.Request.application
     def _serve_series(self, request):
@@ -82,20 +83,35 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         run = _required(request, "run")
         points = _positive_int(request, "points", DEFAULT_POINTS)
         columns = _positive_int(request, "columns", DEFAULT_COLUMNS)
-        listed = self._listed_run(ctx, experiment, run)
-        body = self._answers.get(
-            ("series", experiment, run, points, columns), listed.generation,
-            lambda: self._series(ctx, experiment, run, listed, points, columns))
-        return _respond_json(request, body)
+        return _respond_json(request, self.series_impl(ctx, experiment, run, points, columns))
 
     @wrappers.Request.application
     def _serve_events(self, request):
         ctx, experiment = _context(request)
         run = _required(request, "run")
+        return _respond_json(request, self.events_impl(ctx, experiment, run))
+
+    # -- the plain functions behind the routes: JSON text -------------------------------
+
+    def runs_impl(self, ctx, experiment):
+        """Runs with accumulation data (or problems reading it), sorted by name."""
+        listing = self._list(ctx, experiment)
+        generation = tuple((run, listed.generation) for run, listed in sorted(listing.items()))
+        return self._answers.get(("runs", experiment), generation, lambda: self._runs(listing))
+
+    def series_impl(self, ctx, experiment, run, points=DEFAULT_POINTS,
+                    columns=DEFAULT_COLUMNS):
+        """Per-update series of one run, downsampled for drawing."""
         listed = self._listed_run(ctx, experiment, run)
-        body = self._answers.get(("events", experiment, run), listed.generation,
+        return self._answers.get(
+            ("series", experiment, run, points, columns), listed.generation,
+            lambda: self._series(ctx, experiment, run, listed, points, columns))
+
+    def events_impl(self, ctx, experiment, run):
+        """Leftover events and the latest counters of one run."""
+        listed = self._listed_run(ctx, experiment, run)
+        return self._answers.get(("events", experiment, run), listed.generation,
                                  lambda: self._events(ctx, experiment, run, listed))
-        return _respond_json(request, body)
 
     # -- plain functions ------------------------------------------------------------
 
@@ -103,8 +119,13 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         """`{run: _Listed}`: each run's readable series, problems and data generation.
 
         A tag whose plugin metadata cannot be read is left out and reported
-        for its run; every other tag and run is still served.
+        for its run; every other tag and run is still served. Kept for
+        `cache.LISTING_SECONDS`.
         """
+        return self._listings.get((experiment, run),
+                                  lambda: self._list_now(ctx, experiment, run))
+
+    def _list_now(self, ctx, experiment, run):
         run_filter = None if run is None else provider.RunTagFilter(runs=[run])
         listing = self._data_provider.list_scalars(
             ctx, experiment_id=experiment, plugin_name=self.plugin_name,
@@ -186,10 +207,6 @@ class AccumulationPlugin(base_plugin.TBPlugin):
             raise errors.NotFoundError(f"No accumulation data for run {run!r}")
         return listed
 
-    def runs_impl(self, ctx, experiment):
-        """Runs with accumulation data (or problems reading it), sorted by name."""
-        return self._runs(self._list(ctx, experiment))
-
     def _runs(self, listing):
         runs = []
         for run, listed in sorted(listing.items()):
@@ -204,12 +221,6 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "problems": listed.problems,
             })
         return {"runs": runs, "vocabulary": metadata.VOCABULARY}
-
-    def series_impl(self, ctx, experiment, run, points=DEFAULT_POINTS,
-                    columns=DEFAULT_COLUMNS):
-        """Per-update series of one run, downsampled for drawing."""
-        listed = self._listed_run(ctx, experiment, run)
-        return self._series(ctx, experiment, run, listed, points, columns)
 
     def _series(self, ctx, experiment, run, listed, points, columns):
         tags, problems = listed.tags, list(listed.problems)
@@ -226,10 +237,19 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         applied = sorted(dict(data.get(_APPLIED, [])).items())
         keep = downsample_min_max([value for _, value in applied], points)
         steps = [applied[i][0] for i in keep]
-        series = {}
+        columns_by_name = {}
         for name, _ in metadata.UPDATE_SERIES:
             by_step = dict(data.get(metadata.TAG_PREFIX + name, []))
-            series[name] = [_finite_or_text(by_step.get(step)) for step in steps]
+            columns_by_name[name] = [by_step.get(step) for step in steps]
+        series = {name: [finite_or_text(v) for v in column]
+                  for name, column in columns_by_name.items()}
+        policy_tag = metadata.TAG_PREFIX + "leftover/policy"
+        policies = self._read(ctx, experiment, run, [policy_tag] if policy_tag in tags else [],
+                              _ALL, [])  # what cannot be read is the events route's to report
+        advice = metadata.run_advice(
+            steps, columns_by_name["noise_scale"], columns_by_name["window_items"],
+            columns_by_name["window_samples"], columns_by_name["window_micro_batches"],
+            [step for step, value in policies.get(policy_tag, []) if _policy(value) == "flush"])
         variables = sorted(
             (d.variable, tag) for tag, (d, _) in tags.items()
             if d.kind == metadata.Kind.ACCUMULATOR_NORM
@@ -247,12 +267,10 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "columns": heat["columns"],
                 "values": heat["values"],
             },
+            "advice": {key: finite_or_text(value) if isinstance(value, float) else value
+                       for key, value in advice.items()},
             "problems": problems,
         }
-
-    def events_impl(self, ctx, experiment, run):
-        """Leftover events and the latest counters of one run."""
-        return self._events(ctx, experiment, run, self._listed_run(ctx, experiment, run))
 
     def _events(self, ctx, experiment, run, listed):
         tags, problems = listed.tags, list(listed.problems)
@@ -335,66 +353,9 @@ def _count(tag, step, value, problems):
     """A counter as an `int`; `None` (reported) if it is not finite."""
     if math.isfinite(value):
         return int(value)
-    problems.append(_problem(tag, f"{tag}: step {step}: {_finite_or_text(value)} is not a "
+    problems.append(_problem(tag, f"{tag}: step {step}: {finite_or_text(value)} is not a "
                                   "count; reported as null"))
     return None
-
-
-# -- downsampling ------------------------------------------------------------------
-
-
-def downsample_min_max(values, points):
-    """Indices of at most `points` values that keep each bucket's extremes.
-
-    Non-finite values are always kept: they are what a reader looks for.
-    The first and last values are always kept.
-    """
-    n = len(values)
-    if n <= points:
-        return list(range(n))
-    buckets = max(1, (points - 2) // 2)
-    keep = {0, n - 1}
-    size = (n - 2) / buckets
-    for b in range(buckets):
-        start, end = 1 + int(b * size), 1 + int((b + 1) * size)
-        if start >= end:
-            continue
-        chunk = range(start, end)
-        finite = [i for i in chunk if math.isfinite(values[i])]
-        keep.update(i for i in chunk if not math.isfinite(values[i]))
-        if finite:
-            keep.add(min(finite, key=values.__getitem__))
-            keep.add(max(finite, key=values.__getitem__))
-    return sorted(keep)
-
-
-def heat_map(series, columns):
-    """Per-series maxima over `columns` equal ranges of steps.
-
-    Each series is a list of `(step, value)` points.
-
-    Returns `{"columns": [[first_step, last_step], ...], "values": [[...]]}`,
-    one row per series, `None` where a range holds no point of it.
-    """
-    all_steps = sorted({step for s in series for step, _ in s})
-    if not all_steps:
-        return {"columns": [], "values": [[] for _ in series]}
-    first, last = all_steps[0], all_steps[-1]
-    count = min(columns, len(all_steps))
-    width = (last - first + 1) / count
-    ranges = [[int(first + c * width), int(first + (c + 1) * width) - 1] for c in range(count)]
-    ranges[-1][1] = last
-    rows = []
-    for s in series:
-        row = [None] * count
-        for step, value in s:
-            c = min(count - 1, int((step - first) / width))
-            if not math.isfinite(value):
-                row[c] = _finite_or_text(value)
-            elif row[c] is None or (isinstance(row[c], float) and value > row[c]):
-                row[c] = value
-        rows.append(row)
-    return {"columns": ranges, "values": rows}
 
 
 # -- HTTP helpers ------------------------------------------------------------------
@@ -445,18 +406,11 @@ def _positive_int(request, name, default):
     return value
 
 
-def _finite_or_text(value):
-    """JSON has no NaN or Infinity: those become the strings JavaScript parses."""
-    if value is None or math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-
-
 def _respond_json(request, body):
     return http_util.Respond(request, body, "application/json")
 
 
-# -- answers kept per run and data generation -----------------------------------------
+# -- listings ----------------------------------------------------------------------
 
 
 class _Listed(collections.namedtuple("_Listed", "tags problems generation")):
@@ -468,41 +422,3 @@ def _parse_plugin_metadata(content):
     return metadata.parse_plugin_metadata(content)
 
 
-class AnswerCache:
-    """Serialized JSON answers, kept while their run's data is unchanged.
-
-    A team sharing one TensorBoard asks for the same runs again and again;
-    TensorBoard only changes what a run holds when it reloads the logs. An
-    answer is kept under its request (route, experiment, run, parameters)
-    with the data generation it was computed from, and recomputed once that
-    changes. Concurrent requests for the same missing answer compute it once.
-    The least recently used answers go first beyond `size` entries.
-    """
-
-    def __init__(self, size=128):
-        self._size = size
-        self._answers = collections.OrderedDict()  # key -> (generation, body)
-        self._lock = threading.Lock()
-        self._computing = {}  # key -> Lock held by the thread computing it
-
-    def get(self, key, generation, compute):
-        """The body for `key` at `generation`, from `compute()` if not kept."""
-        with self._lock:
-            kept = self._answers.get(key)
-            if kept is not None and kept[0] == generation:
-                self._answers.move_to_end(key)
-                return kept[1]
-            computing = self._computing.setdefault(key, threading.Lock())
-        with computing:
-            with self._lock:
-                kept = self._answers.get(key)
-                if kept is not None and kept[0] == generation:
-                    return kept[1]
-            body = json.dumps(compute(), allow_nan=False, separators=(",", ":"))
-            with self._lock:
-                self._answers[key] = (generation, body)
-                self._answers.move_to_end(key)
-                while len(self._answers) > self._size:
-                    self._answers.popitem(last=False)
-                self._computing.pop(key, None)
-            return body

@@ -1,5 +1,6 @@
 """The example and the benchmark scripts run and report what they claim."""
 
+import json
 import os
 import re
 import subprocess
@@ -78,7 +79,8 @@ def dashboard_runs(log_dir):
     multiplexer.Reload()
     plugin = AccumulationPlugin(base_plugin.TBContext(
         data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(log_dir))))
-    return {r["run"]: r["updates"] for r in plugin.runs_impl(context.RequestContext(), "")["runs"]}
+    runs = json.loads(plugin.runs_impl(context.RequestContext(), ""))["runs"]
+    return {r["run"]: r["updates"] for r in runs}
 
 
 def test_distributed_benchmark_counts_reductions():

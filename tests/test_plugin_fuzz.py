@@ -15,10 +15,11 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from tb_plugin import metadata
 from test_plugin import PREFIX
 from test_plugin import client_for
 from test_plugin_hostile import GARBAGE_META
+
+from tb_plugin import metadata
 
 TAGS = ([metadata.TAG_PREFIX + name for name, _ in metadata.UPDATE_SERIES]
         + [metadata.TAG_PREFIX + name for name, _ in metadata.LEFTOVER_SERIES]

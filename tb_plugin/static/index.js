@@ -142,7 +142,7 @@ export async function render() {
 
   function advisor() {
     const lines = state.data.map((d) => ({...d, color: colorOf(d.run)}));
-    const rows = lines.map((d) => ({run: d.run, color: d.color, advice: model.batchAdvice(d, state.vocabulary)}));
+    const rows = lines.map((d) => ({run: d.run, color: d.color, advice: d.advice}));
     const nonFinite = state.data.some(
       (d) => d.noise.some((v) => v !== null && !Number.isFinite(v)));
     return views.advisorSection(batchSizeChart(lines), rows, {nonFinite});

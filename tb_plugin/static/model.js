@@ -64,6 +64,8 @@ function normalize(run, series, events) {
       columns: heat.columns,
       values: heat.values.map((row) => row.map(toNumber)),
     },
+    // The advisor's rule is the server's (tb_plugin/metadata.py run_advice).
+    advice: adviceOf(series.advice),
     events: events.events,
     counters: events.counters,
     // What the server skipped for this run (see http_api.md), once each.
@@ -79,55 +81,19 @@ function effectiveBatch(items, samples) {
 }
 
 /**
- * Batch-size advice for one run (a fetchRun result), from the gradient noise
- * scale B_simple of McCandlish et al. (2018). Training to a given loss takes
- * S = S_min (1 + B_noise / B) updates and E = E_min (1 + B / B_noise) examples
- * at batch size B, so B well above B_noise wastes examples and B well below it
- * wastes updates.
- *
- * B_simple: the run's last defined estimate (null entries, and NaN, ±Infinity
- * or non-positive ones, are passed over). B: the effective batch (window_items,
- * or window_samples where the run has none)
- * of the run's last update, leaving out an update that flushed a partial window
- * at an epoch's or fit's end (unless every update did): its window is shorter
- * than the run's accumulation_steps says. The micro-batch size is that window's
- * samples / micro-batches, and the suggestion the accumulation_steps that makes
- * B ≈ B_simple: max(1, round(B_simple / micro-batch)). "less" above `band`
- * times B_simple, "more" below B_simple / `band` (vocabulary.advice_band).
- *
- * Returns {advice: 'less' | 'more' | 'good' | 'unknown', suggestedSteps
- * (null when unknown), noiseScale, batch, microBatch, accumulation, step,
- * lastStep} (numbers or null).
+ * The advisor's verdict the series route computed (snake_case JSON), as the
+ * page reads it: {advice: 'less' | 'more' | 'good' | 'unknown', suggestedSteps,
+ * noiseScale, batch, microBatch, accumulation, step, lastStep} (numbers or null).
  */
-export function batchAdvice({steps, noise, batch: samples, microBatches, events}, {advice_band: band}) {
-  let noiseScale = null;
-  for (let i = noise.length - 1; i >= 0; i -= 1) {
-    if (usable(noise[i])) {
-      noiseScale = noise[i];
-      break;
-    }
-  }
-  const flushed = new Set(events.filter((e) => e.policy === 'flush').map((e) => e.step));
-  let at = -1;
-  let last = -1;
-  for (let i = steps.length - 1; i >= 0 && at < 0; i -= 1) {
-    if (!usable(samples[i]) || !usable(microBatches[i])) continue;
-    if (last < 0) last = i;
-    if (!flushed.has(steps[i])) at = i;
-  }
-  if (at < 0) at = last;
-  const result = {advice: 'unknown', suggestedSteps: null, noiseScale, batch: null,
-    microBatch: null, accumulation: null, step: null,
-    lastStep: steps.length ? steps[steps.length - 1] : null};
-  if (at < 0) return result;
-  const batch = samples[at];
-  Object.assign(result, {batch, microBatch: batch / microBatches[at],
-    accumulation: microBatches[at], step: steps[at]});
-  if (noiseScale === null) return result;
-  // Math.round rounds halves up, as metadata.suggested_accumulation_steps does.
-  result.suggestedSteps = Math.max(1, Math.round(noiseScale / result.microBatch));
-  if (batch > band * noiseScale) result.advice = 'less';
-  else if (batch < noiseScale / band) result.advice = 'more';
-  else result.advice = 'good';
-  return result;
+function adviceOf(a) {
+  return {
+    advice: a.advice,
+    suggestedSteps: toNumber(a.suggested_steps),
+    noiseScale: toNumber(a.noise_scale),
+    batch: toNumber(a.batch),
+    microBatch: toNumber(a.micro_batch),
+    accumulation: toNumber(a.accumulation),
+    step: toNumber(a.step),
+    lastStep: toNumber(a.last_step),
+  };
 }

@@ -168,7 +168,7 @@ const VERDICTS = {
   unknown: 'No advice yet.',
 };
 
-/** The plain-language hint for one run's batchAdvice() result: [verdict, details]. */
+/** The plain-language hint for one run's advice (the series route's): [verdict, details]. */
 export function adviceText(a) {
   const verdict = VERDICTS[a.advice];
   const n = formatNumber(a.noiseScale);
@@ -221,7 +221,7 @@ export function lossSection(chart) {
 
 /**
  * The batch-size advisor card: the chart, its legend and one hint per run.
- * rows: [{run, color, advice}] with advice from model.batchAdvice(). Each hint
+ * rows: [{run, color, advice}] with the series route's advice. Each hint
  * carries data-hint-run, data-advice ("less", "more", "good" or "unknown"),
  * data-suggested-steps, data-noise-scale and data-batch ("" when unknown).
  */
