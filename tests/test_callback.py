@@ -2,15 +2,19 @@
 
 import re
 
-from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import KERAS
-from conftest import OPTIMIZERS
-from conftest import make_data
-from conftest import make_model
-from conftest import max_weight_diff
+
+from reference import BatchRecorder
+from reference import KERAS
+from reference import OPTIMIZERS
+from reference import compare
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_diff
+from reference import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
 
@@ -20,62 +24,28 @@ TOL = 1e-5
 MICRO, STEPS, EPOCHS = 8, 4, 3
 
 
-class WeightRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch_end_weights = []
-        self.batch_kernels = []
-        self.batch_logs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batch_kernels.append(np.array(self.model.layers[0].kernel))
-        self.batch_logs.append(dict(logs))
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_end_weights.append(self.model.get_weights())
-
-
-def fit_pair(kind="sequential", optimizer="sgd", sample_weight=None,
-             fit_kwargs=None, compile_kwargs=None, callback_kwargs=None,
-             data=None, micro=MICRO, steps=STEPS, epochs=EPOCHS):
+def fit_pair(kind="sequential", optimizer="sgd", compile_kwargs=None, data=None,
+             micro=MICRO, steps=STEPS, epochs=EPOCHS, **kwargs):
+    """tfaccum and the large batch from the same MLP, update for update (see `compare`)."""
     x, y = data if data is not None else make_data()
-    fit_kwargs = dict(fit_kwargs or {})
-    fit_kwargs.setdefault("shuffle", False)
-    reference = make_model(kind, optimizer, **dict(compile_kwargs or {}))
-    reference.fit(x, y, batch_size=micro * steps, epochs=epochs, verbose=0,
-                  sample_weight=sample_weight, **fit_kwargs)
-    model = make_model(kind, optimizer, **dict(compile_kwargs or {}))
-    callback = GradientAccumulationCallback(
-        accumulation_steps=steps, **(callback_kwargs or {}))
-    history = model.fit(x, y, batch_size=micro, epochs=epochs, verbose=0,
-                        sample_weight=sample_weight, callbacks=[callback],
-                        **fit_kwargs)
-    return reference, model, callback, history
+    return compare(lambda: make_model(kind, optimizer, **dict(compile_kwargs or {})), x, y,
+                   micro=micro, steps=steps, epochs=epochs, **kwargs)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
 def test_accumulated_equals_large_batch_step_for_step(optimizer, weighted):
-    x, y = make_data()
     sample_weight = np.linspace(0.1, 2.0, 100).astype("float32") if weighted else None
-    fit = dict(epochs=EPOCHS, shuffle=False, verbose=0, sample_weight=sample_weight)
-    reference, ref_recorder = make_model(optimizer=optimizer), WeightRecorder()
-    reference.fit(x, y, batch_size=32, callbacks=[ref_recorder], **fit)
-    model, recorder = make_model(optimizer=optimizer), WeightRecorder()
-    callback = GradientAccumulationCallback(accumulation_steps=4)
-    model.fit(x, y, batch_size=8, callbacks=[callback, recorder], **fit)
-
+    pair = fit_pair(optimizer=optimizer, sample_weight=sample_weight)
     # After every update: micro-batches 4, 8, 12 of each epoch and the flush
-    # of the 13th (our callback runs first, so the recorder sees it).
-    after_updates = [kernel for i, kernel in enumerate(recorder.batch_kernels)
-                     if i % 13 in (3, 7, 11, 12)]
-    assert len(after_updates) == len(ref_recorder.batch_kernels) == 4 * EPOCHS
-    for step, (ours, theirs) in enumerate(zip(after_updates, ref_recorder.batch_kernels)):
-        np.testing.assert_allclose(ours, theirs, atol=TOL, err_msg=f"update {step + 1}")
-    assert max_weight_diff(reference, model) < TOL
+    # of the 13th.
+    assert len(pair.ours) == len(pair.theirs) == 4 * EPOCHS
+    assert pair.diff < TOL
+    assert max_weight_diff(pair.reference, pair.model) < TOL  # EMA written alike
     # The comparison is meaningful: training moved the weights.
-    assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
-    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 12
+    assert pair.moved(lambda: make_model(optimizer=optimizer)) > 1e-2
+    callback, model = pair.callback, pair.model
+    assert int(model.optimizer.iterations) == int(pair.reference.optimizer.iterations) == 12
     assert callback.micro_steps == 13 * EPOCHS
     assert callback.optimizer_steps == 4 * EPOCHS
     assert callback.flushes == EPOCHS
@@ -94,8 +64,7 @@ def test_plain_micro_batch_training_differs():
 
 @pytest.mark.parametrize("kind", ["functional", "subclassed"])
 def test_model_kinds(kind):
-    reference, model, _, _ = fit_pair(kind=kind, optimizer="adam")
-    assert max_weight_diff(reference, model) < TOL
+    assert fit_pair(kind=kind, optimizer="adam").diff < TOL
 
 
 def test_class_weight():
@@ -109,15 +78,9 @@ def test_class_weight():
         model.compile(optimizer=keras.optimizers.Adam(0.01), **kwargs)
         return model
 
-    class_weight = {0: 0.3, 1: 2.0}
-    reference = classifier()
-    reference.fit(x, labels, batch_size=32, epochs=EPOCHS, shuffle=False,
-                  class_weight=class_weight, verbose=0)
-    model = classifier()
-    model.fit(x, labels, batch_size=8, epochs=EPOCHS, shuffle=False,
-              class_weight=class_weight, verbose=0,
-              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
-    assert max_weight_diff(reference, model) < TOL
+    pair = compare(classifier, x, labels, micro=MICRO, steps=STEPS, epochs=EPOCHS,
+                   class_weight={0: 0.3, 1: 2.0})
+    assert pair.diff < TOL
 
 
 @pytest.mark.parametrize(
@@ -126,10 +89,9 @@ def test_class_weight():
     ids=["steps_per_execution", "run_eagerly", "jit_compile"],
 )
 def test_compile_modes(compile_kwargs):
-    reference, model, callback, _ = fit_pair(optimizer="adam",
-                                             compile_kwargs=compile_kwargs)
-    assert max_weight_diff(reference, model) < TOL
-    assert callback.optimizer_steps == 12
+    pair = fit_pair(optimizer="adam", compile_kwargs=compile_kwargs)
+    assert pair.diff < TOL
+    assert pair.callback.optimizer_steps == 12
 
 
 def test_dataset_of_unknown_length():
@@ -153,37 +115,36 @@ def test_dataset_of_unknown_length():
 def test_flush_happens_before_validation():
     x, y = make_data()
     val = make_data(n=40, seed=3)
-    reference, model, _, history = fit_pair(
-        optimizer="adam", fit_kwargs=dict(validation_data=val))
-    ref_history = reference.history.history
-    np.testing.assert_allclose(history.history["val_loss"],
-                               ref_history["val_loss"], rtol=1e-5)
-    assert max_weight_diff(reference, model) < TOL
+    pair = fit_pair(optimizer="adam", validation_data=val)
+    assert pair.diff < TOL
+    # Validation after each epoch saw that epoch's last update: the large batch's.
+    reference = make_model(optimizer="adam")
+    reference.fit(x, y, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0,
+                  validation_data=val)
+    np.testing.assert_allclose(pair.model.history.history["val_loss"],
+                               reference.history.history["val_loss"], rtol=1e-5)
 
 
 def test_flush_before_earlier_callbacks_see_epoch_end():
     """A callback listed before ours (e.g. a checkpoint) sees flushed weights."""
     x, y = make_data()
-    reference = make_model(optimizer="adam")
-    ref_recorder = WeightRecorder()
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[ref_recorder])
+    pair = fit_pair(optimizer="adam", epochs=2)
+    recorder = BatchRecorder()
     model = make_model(optimizer="adam")
-    recorder = WeightRecorder()
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
               callbacks=[recorder, GradientAccumulationCallback(accumulation_steps=4)])
-    for ours, theirs in zip(recorder.epoch_end_weights, ref_recorder.epoch_end_weights, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
-            np.testing.assert_allclose(a, b, atol=TOL)
+    epoch_ends = [pair.theirs[3], pair.theirs[7]]  # each epoch's last update, flushed
+    for ours, theirs in zip(recorder.epoch_weights, epoch_ends, strict=True):
+        assert max_diff(ours, theirs) < TOL
 
 
 def test_weights_do_not_move_inside_a_window():
     x, y = make_data()
     model = make_model(optimizer="sgd")
-    recorder = WeightRecorder()
+    recorder = BatchRecorder()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
               callbacks=[GradientAccumulationCallback(accumulation_steps=4), recorder])
-    kernels = recorder.batch_kernels
+    kernels = recorder.kernels
     assert len(kernels) == 13
     for step in range(1, 13):
         changed = not np.array_equal(kernels[step], kernels[step - 1])
@@ -193,34 +154,20 @@ def test_weights_do_not_move_inside_a_window():
 
 
 def test_leftover_drop():
-    x, y = make_data()
-    reference = make_model(optimizer="adam")
-    # Dropping the partial window of 4 samples is training on the first 96.
-    reference.fit(x[:96], y[:96], batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
-    model = make_model(optimizer="adam")
-    callback = GradientAccumulationCallback(accumulation_steps=4, leftover="drop")
-    model.fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[callback])
-    assert max_weight_diff(reference, model) < TOL
+    pair = fit_pair(optimizer="adam", leftover="drop")  # the large batch of the first 96
+    assert pair.diff < TOL
+    callback, model = pair.callback, pair.model
     assert callback.dropped_micro_steps == EPOCHS
     assert callback.flushes == 0
     assert callback.optimizer_steps == 3 * EPOCHS == int(model.optimizer.iterations)
 
 
 def test_leftover_carry_windows_span_epochs():
-    x, y = make_data()
-    epochs = 3
     # The micro-batch stream of 3 epochs, grouped 4 at a time across epoch
     # boundaries; the 39th micro-batch is flushed alone when fit ends.
-    micro_batches = [(x[i:i + 8], y[i:i + 8]) for _ in range(epochs) for i in range(0, 100, 8)]
-    reference = make_model(optimizer="adam")
-    for start in range(0, len(micro_batches), 4):
-        window = micro_batches[start:start + 4]
-        reference.train_on_batch(np.concatenate([w[0] for w in window]),
-                                 np.concatenate([w[1] for w in window]))
-    model = make_model(optimizer="adam")
-    callback = GradientAccumulationCallback(accumulation_steps=4, leftover="carry")
-    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback])
-    assert max_weight_diff(reference, model) < TOL
+    pair = fit_pair(optimizer="adam", leftover="carry")
+    assert pair.diff < TOL
+    callback = pair.callback
     assert callback.micro_steps == 39
     assert callback.optimizer_steps == 10
     assert callback.flushes == 1  # only at the end of fit
@@ -231,43 +178,31 @@ def test_learning_rate_schedule_sees_updates():
         schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2, 5], [0.05, 0.02, 0.005])
         return keras.optimizers.SGD(schedule)
 
-    reference, model, callback, _ = fit_pair(optimizer=optimizer)
-    assert max_weight_diff(reference, model) < TOL
-    assert int(model.optimizer.iterations) == callback.optimizer_steps == 12
+    pair = fit_pair(optimizer=optimizer)
+    assert pair.diff < TOL
+    assert int(pair.model.optimizer.iterations) == pair.callback.optimizer_steps == 12
 
 
 def test_accumulation_schedule_dict_and_callable():
-    x, y = make_data()
-    reference = make_model(optimizer="adam")
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=16, epochs=4, initial_epoch=2, shuffle=False, verbose=0)
     for steps in ({0: 4, 2: 2}, lambda epoch: 4 if epoch < 2 else 2):
-        model = make_model(optimizer="adam")
-        callback = GradientAccumulationCallback(accumulation_steps=steps)
-        model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=[callback])
-        assert max_weight_diff(reference, model) < TOL
-        assert callback.optimizer_steps == 2 * 4 + 2 * 7
+        pair = fit_pair(optimizer="adam", steps=steps, epochs=4)
+        assert pair.diff < TOL
+        assert pair.callback.optimizer_steps == 2 * 4 + 2 * 7
 
 
 def test_dict_schedule_before_first_key_is_one():
-    x, y = make_data()
-    reference = make_model(optimizer="sgd")
-    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    reference.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
-    model = make_model(optimizer="sgd")
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-              callbacks=[GradientAccumulationCallback(accumulation_steps={1: 2})])
-    assert max_weight_diff(reference, model) < TOL
+    pair = fit_pair(optimizer="sgd", steps={1: 2}, epochs=2)  # 1, then 2
+    assert len(pair.ours) == 13 + 7 and pair.diff < TOL
 
 
 def test_metrics_update_every_micro_batch():
     x, y = make_data()
     model = make_model(optimizer="sgd", metrics=["mae"])
-    recorder = WeightRecorder()
+    recorder = BatchRecorder()
     initial = make_model(optimizer="sgd")
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
               callbacks=[GradientAccumulationCallback(accumulation_steps=4), recorder])
-    logs = recorder.batch_logs
+    logs = recorder.logs
     assert len(logs) == 13
     # The first micro-batch's loss is that of the untouched model on it.
     first = float(keras.losses.MeanSquaredError()(y[:8], initial.predict(x[:8], verbose=0)))
@@ -330,7 +265,7 @@ def test_repr_and_config():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(reduction="average"), r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum'. Received: reduction='average'"),
+        (dict(reduction="average"), r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum' or a tfaccum.Reduction. Received: reduction='average'"),
         (dict(leftover="keep"), r"`leftover` must be one of 'flush', 'carry', 'drop'. Received: leftover='keep'"),
         (dict(verbose=2), r"`verbose` must be 0 or 1. Received: verbose=2"),
     ],

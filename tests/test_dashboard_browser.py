@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
 
+from reference import make_data
+from reference import make_model
 from tensorboard_server import TensorBoard
 
 from tb_plugin import metadata
-
+from tb_plugin.downsample import finite_or_text
 from tfaccum import GradientAccumulationCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +68,6 @@ READ_DASHBOARD = """() => {
 
 READY = "document.body && document.body.dataset.ready === 'true'"
 IDLE = "!document.getElementById('accumulation-dashboard').dataset.loading"
-
-
 
 
 def as_number(value):
@@ -334,6 +332,12 @@ def synthetic_run(run):
         },
         "accumulators": {"variables": [], "columns": [], "values": []},
     }
+    # The advice the series route computes (`metadata.run_advice`) from these numbers.
+    numbers = [None if v is None else float(v) for v in noise]
+    advice = metadata.run_advice(series["steps"], numbers, [None] * n, samples, micro_batches,
+                                 flushed)
+    series["advice"] = {key: finite_or_text(value) if isinstance(value, float) else value
+                        for key, value in advice.items()}
     events = {
         "run": run,
         "events": [{"step": step, "policy": "flush", "micro_batches": micro_batches[step - 1],
@@ -368,8 +372,12 @@ def test_batch_size_advice_for_known_numbers(browser, served):
     assert seen["status"] == ""
     for run, case in ADVISOR_CASES.items():
         advice, steps, points, nonfinite = case[4:]
-        # The Python rule agrees with the numbers written here by hand...
-        assert expected_advice(*synthetic_run(run))[:2] == (advice, steps), run
+        # The test's own reading of the rule, and the server's, agree with the
+        # numbers written here by hand...
+        series, events = synthetic_run(run)
+        assert expected_advice(series, events)[:2] == (advice, steps), run
+        assert (series["advice"]["advice"], str(series["advice"]["suggested_steps"] or "")) == (
+            advice, steps), run
         # ...and the page with both.
         hint = seen["hints"][run]
         assert (hint["advice"], hint["steps"]) == (advice, steps), (run, hint)

@@ -8,16 +8,17 @@ regularisers' gradient, or nothing), never 0/0.
 
 import numpy as np
 import pytest
-from conftest import keras
 
-import tfaccum
 from reference import all_finite
 from reference import fit_accumulated
+from reference import keras
 from reference import largest_update_diff
 from reference import train_large_batches
 from reference import windows
 from test_summary import read_run
 from test_summary import values
+
+import tfaccum
 
 TOL = 1e-5
 T, VOCAB, CLASSES = 6, 10, 5
@@ -106,7 +107,7 @@ def test_summaries_of_masked_micro_batches_are_finite(tmp_path):
 def test_two_replicas_whose_shares_count_nothing():
     import warnings
 
-    from test_distribution import mirrored
+    from reference import mirrored
 
     # Micro-batches of 4, 2 per replica. Window 1 is all padding; in window 2
     # the first replica's shares are; in window 3 one micro-batch is.

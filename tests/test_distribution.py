@@ -1,20 +1,22 @@
 """Accumulation under tf.distribute.MirroredStrategy on two logical CPUs, graph mode."""
 
-from conftest import KERAS
-from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
-from conftest import max_weight_diff
 
-from test_nonfinite import loss_scale
-from test_nonfinite import poisoned_data
-from test_nonfinite import scaled_adam
+from reference import KERAS
+from reference import compare
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_weight_diff
+from reference import mirrored
 from test_noise_scale import exact_noise_scale
 from test_noise_scale import frozen_linear_model
 from test_noise_scale import regression
+from test_nonfinite import loss_scale
+from test_nonfinite import poisoned_data
+from test_nonfinite import scaled_adam
 from test_summary import global_norm
 from test_summary import gradients
 from test_summary import read_run
@@ -52,24 +54,13 @@ class CountingReduction(tf.distribute.ReductionToOneDevice):
             reduce_op, per_replica_value, destinations, options), self.single)
 
 
-def mirrored(cross_device_ops=None):
-    """Two replicas. Reductions go through one device: TensorFlow's collective
-    ops (the CPU default) clash between several strategies in one process,
-    with or without tfaccum."""
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    assert len(devices) == 2, "conftest configures two logical CPUs"
-    return tf.distribute.MirroredStrategy(
-        devices, cross_device_ops=cross_device_ops or tf.distribute.ReductionToOneDevice())
-
-
-def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, epochs=3, **callback_kwargs):
-    strategy = strategy or mirrored()
-    with strategy.scope():
-        model = make_model(optimizer=optimizer)
-    callback = GradientAccumulationCallback(accumulation_steps=4, **callback_kwargs)
-    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
-              sample_weight=sample_weight, callbacks=[callback])
-    return model, callback
+def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, epochs=3, leftover="flush",
+                 left_out=(), **callback_kwargs):
+    """Two replicas (micro-batches of 8, windows of 4) against one device's large batch."""
+    return compare(lambda: make_model(optimizer=optimizer), x, y, micro=8, steps=4,
+                   epochs=epochs, leftover=leftover, left_out=left_out,
+                   sample_weight=sample_weight, strategy=strategy or mirrored(),
+                   callback_kwargs=callback_kwargs)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
@@ -78,11 +69,10 @@ def test_mirrored_equals_the_single_device_large_batch(optimizer, n):
     # 99 samples end in a micro-batch of 3, split 2 and 1 between the replicas:
     # weighting by samples must count both replicas' samples.
     x, y = make_data(n=n)
-    reference = make_model(optimizer=optimizer)
-    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-    model, callback = fit_mirrored(optimizer, x, y)
-    assert max_weight_diff(reference, model) < TOL
-    assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
+    pair = fit_mirrored(optimizer, x, y)
+    assert pair.diff < TOL
+    assert pair.moved(lambda: make_model(optimizer=optimizer)) > 1e-2
+    model, callback = pair.model, pair.callback
     assert callback.optimizer_steps == 12 == int(model.optimizer.iterations.numpy())
     assert callback.micro_steps == 39 and callback.flushes == 3
 
@@ -90,10 +80,7 @@ def test_mirrored_equals_the_single_device_large_batch(optimizer, n):
 def test_mirrored_with_sample_weight():
     x, y = make_data(n=99)
     sample_weight = np.linspace(0.1, 2.0, 99).astype("float32")
-    reference = make_model(optimizer="adam")
-    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, sample_weight=sample_weight)
-    model, _ = fit_mirrored("adam", x, y, sample_weight=sample_weight)
-    assert max_weight_diff(reference, model) < TOL
+    assert fit_mirrored("adam", x, y, sample_weight=sample_weight).diff < TOL
 
 
 @pytest.mark.parametrize("observed", [False, True], ids=["plain", "log_dir-and-noise-scale"])
@@ -106,7 +93,9 @@ def test_gradients_are_all_reduced_once_per_update(observed, tmp_path):
     with strategy.scope():
         counter.count = tf.Variable(0, dtype=tf.int64, trainable=False)
     extra = dict(log_dir=str(tmp_path), noise_scale=True) if observed else {}
-    model, callback = fit_mirrored("sgd", x, y, strategy=strategy, **extra)
+    pair = fit_mirrored("sgd", x, y, strategy=strategy, **extra)
+    assert pair.diff < TOL
+    callback = pair.callback
     if observed:
         assert callback.noise_scale is not None
         assert read_run(str(tmp_path))[0]
@@ -156,14 +145,12 @@ def test_a_micro_step_reduces_nothing_more_than_a_plain_step():
 def test_leftover_drop_and_carry_under_mirrored():
     x, y = make_data()
     for leftover in ("drop", "carry"):
-        model, callback = fit_mirrored("adam", x, y, leftover=leftover)
+        pair = fit_mirrored("adam", x, y, leftover=leftover)
+        assert pair.diff < TOL
         if leftover == "drop":
-            reference = make_model(optimizer="adam")
-            reference.fit(x[:96], y[:96], batch_size=32, epochs=3, shuffle=False, verbose=0)
-            assert max_weight_diff(reference, model) < TOL
-            assert callback.dropped_micro_steps == 3
+            assert pair.callback.dropped_micro_steps == 3
         else:
-            assert callback.optimizer_steps == 10 and callback.flushes == 1
+            assert pair.callback.optimizer_steps == 10 and pair.callback.flushes == 1
 
 
 def test_skip_nonfinite_with_reduction_mean_is_refused():
@@ -185,10 +172,9 @@ def test_clipping_applies_to_the_all_reduced_window(clipping):
     # One device at the large batch clips the whole batch's gradient; plain
     # Keras 3 under MirroredStrategy clips each replica's share before summing.
     x, y = make_data(n=99)
-    reference = make_model(optimizer=CLIPPING[clipping])
-    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-    model, _ = fit_mirrored(CLIPPING[clipping], x, y)
-    assert max_weight_diff(reference, model) < TOL
+    pair = fit_mirrored(CLIPPING[clipping], x, y)
+    assert pair.diff < TOL
+    reference = pair.reference
     unclipped = make_model(optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9))
     unclipped.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     assert max_weight_diff(reference, unclipped) > 1e-2  # the clipping is active
@@ -201,8 +187,9 @@ def test_dashboard_series_are_those_of_the_global_window(tmp_path):
     single = make_model(optimizer="adam")
     single.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
         GradientAccumulationCallback(accumulation_steps=4, log_dir=str(tmp_path / "one"))])
-    model, callback = fit_mirrored("adam", x, y, log_dir=str(tmp_path / "two"))
-    assert max_weight_diff(single, model) < TOL
+    pair = fit_mirrored("adam", x, y, log_dir=str(tmp_path / "two"))
+    model, callback = pair.model, pair.callback
+    assert pair.diff < TOL and max_weight_diff(single, model) < TOL
     expected, _ = read_run(str(tmp_path / "one"))
     series, _ = read_run(str(tmp_path / "two"))
     whole_window = ["applied_gradient_norm", "window_micro_batches", "window_samples",
@@ -252,7 +239,10 @@ def test_mixed_precision_leaves_out_one_replicas_share(mixed_precision):
     # Sample 10 overflows in float16; in the second micro-batch of 8 it is in
     # the first replica's share (samples 8-11).
     x, y = poisoned_data(target=1e5)
-    model, callback = fit_mirrored(scaled_adam, x, y, epochs=1)
+    pair = fit_mirrored(scaled_adam, x, y, epochs=1,  # the first replica's half of the second
+                        left_out=lambda epoch, index: set(range(8, 12)) if index == 1 else set())
+    assert pair.diff < 1e-5
+    model, callback = pair.model, pair.callback
     assert callback.hook.skip_nonfinite is True
     assert callback.nonfinite_skips == 1 and callback.optimizer_steps == 1
     assert callback.samples == 28 and callback.micro_steps == 4
@@ -263,10 +253,7 @@ def test_mixed_precision_leaves_out_one_replicas_share(mixed_precision):
         scale = model.optimizer._loss_scale.current_loss_scale
     scales = model.distribute_strategy.experimental_local_results(scale)
     assert [float(s.numpy()) for s in scales] == [2.0**7] * 2
-    keep = np.r_[0:8, 12:32]
-    reference = make_model(optimizer=scaled_adam)
-    reference.fit(x[keep], y[keep], batch_size=28, epochs=1, shuffle=False, verbose=0)
-    assert max_weight_diff(reference, model) < 1e-5
+    assert pair.updates == [list(range(0, 8)) + list(range(12, 32))]
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -275,9 +262,8 @@ def test_mixed_precision_equals_one_device(policy):
     try:
         x, y = make_data()
         optimizer = scaled_adam if policy == "mixed_float16" else "adam"
-        reference = make_model(optimizer=optimizer)
-        reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-        model, callback = fit_mirrored(optimizer, x, y)
+        pair = fit_mirrored(optimizer, x, y)
+        model, callback = pair.model, pair.callback
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert callback.nonfinite_skips == 0 and callback.optimizer_steps == 12
@@ -285,14 +271,17 @@ def test_mixed_precision_equals_one_device(policy):
     # batch shape (float16: 1e-4, test_nonfinite; bfloat16, 8 bits of
     # mantissa: one device accumulating is 7.7e-4 from its large batch, two
     # replicas 8.2e-4).
-    assert max_weight_diff(reference, model) < (1e-4 if policy == "mixed_float16" else 2e-3)
+    assert pair.diff < (1e-4 if policy == "mixed_float16" else 2e-3)
     assert max_weight_diff(make_model(optimizer=optimizer), model) > 1e-2
 
 
 def test_a_window_left_out_on_every_replica_makes_no_update():
     x, y = make_data(n=16)
     y[:, 0] = np.inf
-    model, callback = fit_mirrored("sgd", x, y, epochs=1, skip_nonfinite=True)
+    pair = fit_mirrored("sgd", x, y, epochs=1, skip_nonfinite=True,
+                        left_out=lambda epoch, index: set(range(16)))
+    model, callback = pair.model, pair.callback
+    assert pair.updates == [] and pair.ours == []
     assert callback.nonfinite_skips == 4 and callback.optimizer_steps == 0
     assert int(model.optimizer.iterations.numpy()) == 0
     assert max_weight_diff(make_model(optimizer="sgd"), model) == 0

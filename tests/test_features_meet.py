@@ -2,21 +2,23 @@
 
 import warnings
 
-from conftest import KERAS
-from conftest import keras
 import numpy as np
 import pytest
-from conftest import make_data
-from conftest import make_model
-from conftest import max_weight_diff
+
+from reference import InterruptAt
+from reference import KERAS
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_weight_diff
+from test_noise_scale import frozen_linear_model
+from test_noise_scale import regression
 
 import tfaccum
 from tfaccum import AccumulationHook
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 from tfaccum.noise_scale import NoiseScaleEstimator
-from test_noise_scale import frozen_linear_model
-from test_noise_scale import regression
 
 
 def test_noise_scale_does_not_depend_on_the_reduction():
@@ -128,16 +130,6 @@ def test_a_full_summary_buffer_loses_rows_it_does_not_overwrite(tmp_path):
     assert summary_steps(str(tmp_path / "run")) == [1, 2, 3, 4]  # not 1, 2, 3, 6
 
 
-class InterruptAt(keras.callbacks.Callback):
-    def __init__(self, batch):
-        super().__init__()
-        self.batch = batch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.batch:
-            raise KeyboardInterrupt
-
-
 @pytest.mark.parametrize("same_callback", [True, False], ids=["same-callback", "new-callback"])
 def test_summaries_of_an_interrupted_fit_are_kept(tmp_path, same_callback):
     x, y = make_data(n=160)
@@ -146,7 +138,7 @@ def test_summaries_of_an_interrupted_fit_are_kept(tmp_path, same_callback):
     callback = GradientAccumulationCallback(accumulation_steps=2, log_dir=log_dir)
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[callback, InterruptAt(batch=13)])  # 7 updates, unwritten
+                  callbacks=[callback, InterruptAt(batch=13, error=KeyboardInterrupt())])  # 7 updates, unwritten
     again = callback if same_callback else GradientAccumulationCallback(
         accumulation_steps=2, log_dir=log_dir)
     with pytest.warns(UserWarning, match="did not finish"):

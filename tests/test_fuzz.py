@@ -20,20 +20,22 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
-from conftest import keras
 from hypothesis import HealthCheck
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-import tfaccum
 from reference import all_finite
 from reference import fit_accumulated
+from reference import keras
 from reference import largest_update_diff
 from reference import micro_batches
 from reference import train_large_batches
 from reference import windows
+
+import tfaccum
 
 TOL = 1e-5
 T, FEATURES, CLASSES = 4, 3, 3
@@ -225,6 +227,12 @@ def check(case):
     callback = tfaccum.GradientAccumulationCallback(
         accumulation_steps=case.steps, reduction=case.reduction, leftover=case.leftover,
         skip_nonfinite=case.skip_nonfinite)
+    if case.reduction == "sum" and case.regularizer:
+        # A summed window would apply the weight regularizers once per micro-batch.
+        with pytest.raises(ValueError, match=r"reduction='sum' adds .* regularized weights"):
+            fit_accumulated(model_for(case, "ours"), x, y, micro=case.micro, steps=case.steps,
+                            callback=callback)
+        return
     ours, callback = fit_accumulated(
         model_for(case, "ours"), poison(x, case), y, micro=case.micro, steps=case.steps,
         epochs=case.epochs, callback=callback, sample_weight=sample_weight,

@@ -1,12 +1,13 @@
 """AccumulationHook: install, remove, and the exact arithmetic of a window."""
 
-from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
-from conftest import max_weight_diff
+
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_weight_diff
 
 import tfaccum
 from tfaccum import GradientAccumulationCallback
@@ -217,7 +218,7 @@ def test_installing_twice_is_an_error():
 
 
 def test_bad_reduction_is_an_error():
-    with pytest.raises(ValueError, match=r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum'. Received: reduction='avg'"):
+    with pytest.raises(ValueError, match=r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum' or a tfaccum.Reduction. Received: reduction='avg'"):
         install_accumulation_hook(make_model(), accumulation_steps=2, reduction="avg")
 
 

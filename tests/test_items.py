@@ -9,16 +9,17 @@ Every test here also checks that sample weighting alone is measurably off.
 import re
 import warnings
 
-from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import OPTIMIZERS
+
+import reference as oracle
+from reference import OPTIMIZERS
+from reference import keras
+from reference import max_diff
 
 import tfaccum
 from tfaccum import GradientAccumulationCallback
-
-
 
 TOL = 1e-5
 N, T, VOCAB, CLASSES = 50, 10, 20, 5  # 13 micro-batches of 4: the last holds 2
@@ -60,35 +61,17 @@ def sequence_model(optimizer="sgd", mask_zero=True, ignore_class=None, masking=F
     return model
 
 
-class Recorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.weights = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.weights.append([np.array(w) for w in self.model.get_weights()])
-
-
-def max_diff(a, b):
-    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=True))
-
-
 def compare(build, x, y, epochs=2, sample_weight=None, callback_kwargs=None, **fit_kwargs):
     """Largest weight difference to the large batch after every update, per reduction."""
-    fit = dict(epochs=epochs, shuffle=False, verbose=0, sample_weight=sample_weight, **fit_kwargs)
-    reference, seen = build(), Recorder()
-    reference.fit(x, y, batch_size=MICRO * STEPS, callbacks=[seen], **fit)
     results = {}
     for reduction in ("auto", "samples"):
-        model, ours = build(), Recorder()
-        callback = GradientAccumulationCallback(
-            accumulation_steps=STEPS, reduction=reduction, **(callback_kwargs or {}))
-        model.fit(x, y, batch_size=MICRO, callbacks=[callback, ours], **fit)
+        pair = oracle.compare(
+            build, x, y, micro=MICRO, steps=STEPS, epochs=epochs, sample_weight=sample_weight,
+            callback_kwargs=dict(reduction=reduction, **(callback_kwargs or {})), **fit_kwargs)
         # After each update: micro-batches 4, 8, 12 and the flushed 13th of an epoch.
-        updates = [w for i, w in enumerate(ours.weights) if i % 13 in (3, 7, 11, 12)]
-        assert len(updates) == len(seen.weights) == 4 * epochs
-        results[reduction] = max(max_diff(u, r) for u, r in zip(updates, seen.weights))
-        results[reduction + "-callback"] = callback
+        assert len(pair.ours) == 4 * epochs
+        results[reduction] = pair.diff
+        results[reduction + "-callback"] = pair.callback
     return results
 
 
@@ -143,32 +126,17 @@ def test_jit_compile():
 
 def test_steps_per_execution():
     tokens, labels, _, _ = sequences()
-    fit = dict(epochs=2, shuffle=False, verbose=0)
-    reference = sequence_model("adam", steps_per_execution=3)
-    reference.fit(tokens, labels, batch_size=MICRO * STEPS, **fit)
-    for reduction, close in (("auto", True), ("samples", False)):
-        model = sequence_model("adam", steps_per_execution=3)
-        model.fit(tokens, labels, batch_size=MICRO, **fit, callbacks=[
-            GradientAccumulationCallback(accumulation_steps=STEPS, reduction=reduction)])
-        diff = max_diff(model.get_weights(), reference.get_weights())
-        assert (diff < TOL) if close else (diff > 1e-3), (reduction, diff)
+    results = compare(lambda: sequence_model("adam", steps_per_execution=3), tokens, labels)
+    assert results["auto"] < TOL and results["samples"] > 1e-3
 
 
 @pytest.mark.parametrize("leftover", ["carry", "drop"])
 def test_partial_windows(leftover):
     tokens, labels, _, _ = sequences()
-    stream = [(tokens[i:i + MICRO], labels[i:i + MICRO]) for _ in range(2) for i in range(0, N, MICRO)]
-    windows = [stream[i:i + STEPS] for i in range(0, len(stream), STEPS)] if leftover == "carry" else [
-        stream[e * 13 + i:e * 13 + i + STEPS] for e in range(2) for i in (0, 4, 8)]
-    reference = sequence_model("adam")
-    for window in windows:
-        reference.train_on_batch(np.concatenate([w[0] for w in window]),
-                                 np.concatenate([w[1] for w in window]))
-    model = sequence_model("adam")
-    callback = GradientAccumulationCallback(accumulation_steps=STEPS, leftover=leftover)
-    model.fit(tokens, labels, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
-    assert max_diff(model.get_weights(), reference.get_weights()) < TOL
-    assert callback.optimizer_steps == len(windows)
+    pair = oracle.compare(lambda: sequence_model("adam"), tokens, labels, micro=MICRO,
+                          steps=STEPS, epochs=2, leftover=leftover)
+    assert pair.diff < TOL
+    assert pair.callback.optimizer_steps == len(pair.updates) == (7 if leftover == "carry" else 6)
 
 
 def test_window_items_are_counted(capsys):
@@ -248,7 +216,7 @@ def test_several_differently_masked_outputs_step_for_step(optimizer):
 
 
 def test_mirrored_replicas_with_different_token_counts():
-    from test_distribution import mirrored
+    from reference import mirrored
 
     tokens, labels, _, padding = sequences()
     # Each replica gets half of each micro-batch of 4: their token counts differ.
@@ -256,22 +224,17 @@ def test_mirrored_replicas_with_different_token_counts():
     assert (halves[:, 0] != halves[:, 1]).sum() >= 10
     # SGD with momentum: with several replicas the embedding's window is
     # dense (refused for rows), which Adam would apply differently.
-    reference = sequence_model("sgd_momentum")
-    reference.fit(tokens, labels, batch_size=MICRO * STEPS, epochs=2, shuffle=False, verbose=0)
-    strategy = mirrored()
-    with strategy.scope():
-        model = sequence_model("sgd_momentum")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.fit(tokens, labels, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[GradientAccumulationCallback(accumulation_steps=STEPS)])
-    assert max_diff(model.get_weights(), reference.get_weights()) < TOL
+        warnings.simplefilter("ignore")  # the embedding's dense window on replicas
+        pair = oracle.compare(lambda: sequence_model("sgd_momentum"), tokens, labels,
+                              micro=MICRO, steps=STEPS, epochs=2, strategy=mirrored())
+    assert pair.diff < TOL
 
 
 def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
     # Each output's accumulator per replica; each output's total over both
     # replicas at the window's end (with the counts, no extra collective).
-    from test_distribution import mirrored
+    from reference import mirrored
     from test_summary import read_run
     from test_summary import values
 

@@ -9,7 +9,8 @@ and the trained task saved and loaded back.
 import keras
 import keras_hub
 import numpy as np
-from conftest import max_weight_diff
+
+from reference import max_weight_diff
 from test_summary import read_run
 
 import tfaccum

@@ -9,9 +9,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import iterations
-from conftest import max_weight_diff
+
+from reference import iterations
+from reference import make_data
+from reference import max_weight_diff
 
 import tfaccum
 from tfaccum import AccumBatchNormalization

@@ -7,7 +7,9 @@ tf_keras models, imported directly, in whichever Keras process runs the suite.
 
 import numpy as np
 import pytest
-from conftest import make_data
+
+from reference import compare
+from reference import make_data
 
 import tfaccum
 from tfaccum import GradientAccumulationCallback
@@ -42,35 +44,15 @@ def build(optimizer, seed=1):
     return model
 
 
-def max_diff(a, b):
-    return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
-
-
-class KernelRecorder(tf_keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.kernels = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.kernels.append(np.array(self.model.layers[0].kernel))
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_legacy_optimizer_step_for_step(name):
     x, y = make_data()  # 100 samples: micro-batches of 8 end with one of 4
-    reference, ref_kernels = build(OPTIMIZERS[name]), KernelRecorder()
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[ref_kernels])
-    model, kernels = build(OPTIMIZERS[name]), KernelRecorder()
-    callback = GradientAccumulationCallback(accumulation_steps=4)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback, kernels])
+    pair = compare(lambda: build(OPTIMIZERS[name]), x, y, micro=8, steps=4, epochs=2)
     # After each update: micro-batches 4, 8, 12 and the flushed 13th of each epoch.
-    after_updates = [k for i, k in enumerate(kernels.kernels) if i % 13 in (3, 7, 11, 12)]
-    assert len(after_updates) == len(ref_kernels.kernels) == 8
-    for step, (ours, theirs) in enumerate(zip(after_updates, ref_kernels.kernels)):
-        np.testing.assert_allclose(ours, theirs, atol=TOL, err_msg=f"update {step + 1}")
-    assert max_diff(reference, model) < TOL
-    assert max_diff(build(OPTIMIZERS[name]), model) > 1e-3  # it trained
-    assert int(model.optimizer.iterations) == callback.optimizer_steps == 8
+    assert len(pair.ours) == len(pair.theirs) == 8
+    assert pair.diff < TOL
+    assert pair.moved(lambda: build(OPTIMIZERS[name])) > 1e-3  # it trained
+    assert int(pair.model.optimizer.iterations) == pair.callback.optimizer_steps == 8
 
 
 @pytest.mark.parametrize("name", ["Adam", "LossScaleOptimizer(Adam)"])
@@ -78,25 +60,13 @@ def test_leftover_sample_weight_and_schedule(name):
     x, y = make_data()
     weights = np.linspace(0.1, 2.0, 100).astype("float32")
     # drop: training on the first 96 samples, with sample weights.
-    reference = build(OPTIMIZERS[name])
-    reference.fit(x[:96], y[:96], sample_weight=weights[:96], batch_size=32, epochs=2,
-                  shuffle=False, verbose=0)
-    model = build(OPTIMIZERS[name])
-    callback = GradientAccumulationCallback(accumulation_steps=4, leftover="drop")
-    model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, shuffle=False, verbose=0,
-              callbacks=[callback])
-    assert max_diff(reference, model) < TOL and callback.dropped_micro_steps == 2
+    pair = compare(lambda: build(OPTIMIZERS[name]), x, y, micro=8, steps=4, epochs=2,
+                   leftover="drop", sample_weight=weights)
+    assert pair.diff < TOL and pair.callback.dropped_micro_steps == 2
     # carry: windows span epochs.
-    stream = [(x[i:i + 8], y[i:i + 8]) for _ in range(2) for i in range(0, 100, 8)]
-    reference = build(OPTIMIZERS[name])
-    for start in range(0, len(stream), 4):
-        window = stream[start:start + 4]
-        reference.train_on_batch(np.concatenate([w[0] for w in window]),
-                                 np.concatenate([w[1] for w in window]))
-    model = build(OPTIMIZERS[name])
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
-        GradientAccumulationCallback(accumulation_steps=4, leftover="carry")])
-    assert max_diff(reference, model) < TOL
+    pair = compare(lambda: build(OPTIMIZERS[name]), x, y, micro=8, steps=4, epochs=2,
+                   leftover="carry")
+    assert pair.diff < TOL and len(pair.ours) == 7
 
 
 def test_learning_rate_schedules_count_updates():
@@ -106,13 +76,9 @@ def test_learning_rate_schedules_count_updates():
         return legacy.SGD(tf_keras.optimizers.schedules.PiecewiseConstantDecay(
             [2, 5], [0.05, 0.02, 0.005]))
 
-    reference = build(optimizer)
-    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-    model = build(optimizer)
-    callback = GradientAccumulationCallback(accumulation_steps=4)
-    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
-    assert max_diff(reference, model) < TOL
-    assert int(model.optimizer.iterations) == callback.optimizer_steps == 12
+    pair = compare(lambda: build(optimizer), x, y, micro=8, steps=4, epochs=3)
+    assert pair.diff < TOL
+    assert int(pair.model.optimizer.iterations) == pair.callback.optimizer_steps == 12
 
 
 def test_mixed_precision_overflow_is_left_out():
@@ -120,15 +86,12 @@ def test_mixed_precision_overflow_is_left_out():
     try:
         x, y = make_data(n=32)
         y[10, 0] = 1e5  # overflows float16 in the second micro-batch
-        model = build(OPTIMIZERS["LossScaleOptimizer(Adam)"])
-        callback = GradientAccumulationCallback(accumulation_steps=4)
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+        pair = compare(lambda: build(OPTIMIZERS["LossScaleOptimizer(Adam)"]), x, y, micro=8,
+                       steps=4, left_out=[(0, 1)])
+        callback, model = pair.callback, pair.model
         assert callback.nonfinite_skips == 1 and callback.optimizer_steps == 1
         assert float(model.optimizer.loss_scale) == 2**8 / 2
-        keep = np.r_[0:8, 16:32]
-        reference = build(OPTIMIZERS["LossScaleOptimizer(Adam)"])
-        reference.fit(x[keep], y[keep], batch_size=24, epochs=1, shuffle=False, verbose=0)
-        assert max_diff(reference, model) < 1e-5
+        assert pair.diff < 1e-5
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
 

@@ -1,17 +1,18 @@
 """The gradient noise scale B_simple (McCandlish et al. 2018, appendix A.1)."""
 
-from conftest import keras
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
+
+from reference import keras
+from reference import make_data
+from reference import make_model
 
 from tfaccum import GradientAccumulationCallback
-from tfaccum.noise_scale import SMOOTHING
 from tfaccum.noise_scale import NoiseScaleEstimator
+from tfaccum.noise_scale import SMOOTHING
 
 
 def test_estimators_by_hand():

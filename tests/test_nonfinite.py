@@ -1,13 +1,14 @@
 """Non-finite micro-batches are left out of their window, in float32 and float16."""
 
-from conftest import KERAS
-from conftest import keras
 import numpy as np
 import pytest
-from conftest import make_data
-from conftest import make_model
-from conftest import iterations
-from conftest import max_weight_diff
+
+from reference import KERAS
+from reference import iterations
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
 

@@ -5,13 +5,11 @@ later Keras 3 releases), so no optimizer is untested; tf_keras' legacy
 optimizers are in test_legacy_optimizers.py.
 """
 
-import numpy as np
 import pytest
-from conftest import keras
-from conftest import make_data
-from conftest import max_weight_diff
 
-from tfaccum import GradientAccumulationCallback
+from reference import compare
+from reference import keras
+from reference import make_data
 
 TOL = 1e-5
 NAMES = ["SGD", "RMSprop", "Adam", "AdamW", "Adadelta", "Adagrad", "Adamax", "Nadam", "Ftrl",
@@ -35,15 +33,6 @@ def build(name, seed=1):
     return model
 
 
-class KernelRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.kernels = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.kernels.append(np.array(self.model.layers[0].kernel))
-
-
 def test_the_list_is_what_this_keras_has():
     assert {"SGD", "Adam", "AdamW", "RMSprop", "Nadam", "Ftrl", "Adafactor", "Lion"} <= set(
         OPTIMIZERS)
@@ -52,14 +41,7 @@ def test_the_list_is_what_this_keras_has():
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_step_for_step(name):
     x, y = make_data()  # 100 samples: micro-batches of 8 end with one of 4, flushed
-    reference, theirs = build(name), KernelRecorder()
-    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[theirs])
-    model, ours = build(name), KernelRecorder()
-    callback = GradientAccumulationCallback(accumulation_steps=4)
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback, ours])
-    after_updates = [ours.kernels[i] for i in (3, 7, 11, 12)]
-    assert len(theirs.kernels) == 4 and callback.optimizer_steps == 4
-    for step, (got, want) in enumerate(zip(after_updates, theirs.kernels)):
-        np.testing.assert_allclose(got, want, atol=TOL, err_msg=f"update {step + 1}")
-    assert max_weight_diff(reference, model) < TOL
-    assert max_weight_diff(build(name), model) > 1e-4  # it trained
+    pair = compare(lambda: build(name), x, y, micro=8, steps=4)
+    assert len(pair.theirs) == 4 and pair.callback.optimizer_steps == 4
+    assert pair.diff < TOL
+    assert pair.moved(lambda: build(name)) > 1e-4  # it trained

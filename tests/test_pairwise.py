@@ -10,14 +10,16 @@ The callback's run is on one device or on two replicas (MirroredStrategy).
 """
 
 import itertools
-import math
 
-from conftest import KERAS
-from conftest import keras
 import numpy as np
 import pytest
 
-from test_distribution import mirrored
+from reference import KERAS
+from reference import keras
+from reference import mirrored
+from reference import train_large_batches
+from reference import windows
+
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
@@ -147,45 +149,25 @@ def build(row, reference=False):
     return model
 
 
-def windows(row):
-    """The windows the callback should apply: lists of (epoch, micro-batch)."""
-    steps = GradientAccumulationCallback(accumulation_steps=SCHEDULES[row["schedule"]]).schedule
-    per_epoch = math.ceil(SAMPLES / MICRO)
-    applied, current = [], []
-    for epoch in range(EPOCHS):
-        for micro in range(per_epoch):
-            current.append((epoch, micro))
-            if len(current) >= steps(epoch):
-                applied.append(current)
-                current = []
-        if current and row["leftover"] != "carry":
-            if row["leftover"] == "flush":
-                applied.append(current)
-            current = []
-    if current:  # carried to the end of fit: flushed
-        applied.append(current)
-    return applied
+def updates(row):
+    """The oracle's windows for the row: sample indices per update."""
+    schedule = GradientAccumulationCallback(accumulation_steps=SCHEDULES[row["schedule"]]).schedule
 
+    def left_out(epoch, index):
+        """The poisoned micro-batch's samples: all of them on one device, the
+        poisoned one's replica's share (the first half) on two."""
+        if not poisoned(row) or index != POISONED[1]:
+            return set()
+        start = index * MICRO
+        share = MICRO // 2 if row["strategy"] == "mirrored" else MICRO
+        return set(range(start, start + share))
 
-def left_out(row):
-    """The samples of the poisoned micro-batch left out: all of them on one
-    device, the poisoned one's replica's share (the first half) on two."""
-    start = POISONED[1] * MICRO
-    share = MICRO // 2 if row["strategy"] == "mirrored" else MICRO
-    return set(range(start, start + share)) if poisoned(row) else set()
+    return windows(SAMPLES, MICRO, schedule, EPOCHS, row["leftover"], left_out)
 
 
 def train_reference(row, x, y, weights):
     model = build(row, reference=True)
-    for window in windows(row):
-        index = [i for _, m in window for i in range(m * MICRO, min((m + 1) * MICRO, SAMPLES))
-                 if i not in left_out(row)]
-        if not index:
-            continue
-        index = np.array(index)
-        model.train_on_batch(x[index], y[index],
-                             sample_weight=None if weights is None else weights[index])
-    model.optimizer.finalize_variable_values(model.trainable_variables)  # as fit does
+    train_large_batches(model, x, y, updates(row), sample_weight=weights, finalize=True)
     return model
 
 
@@ -233,8 +215,7 @@ def test_pair(policy, tmp_path):
         assert np.isfinite(ours).all()
         np.testing.assert_allclose(ours, np.asarray(theirs), atol=tolerance, rtol=tolerance)
 
-    applied = [w for w in windows(row)
-               if any(not (poisoned(row) and m == POISONED[1]) for _, m in w)]
+    applied = updates(row)
     assert callback.optimizer_steps == len(applied)
     assert callback.nonfinite_skips == (EPOCHS if poisoned(row) else 0)  # micro-batches or shares
     assert (callback.estimator is not None) == (row["noise_scale"] is not False)

@@ -7,18 +7,20 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_data
-from conftest import make_model
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider
 from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
+from reference import make_data
+from reference import make_model
+
+from tb_plugin import cache
 from tb_plugin import metadata
+from tb_plugin.downsample import downsample_min_max
 from tb_plugin.loader import AccumulationPluginLoader
 from tb_plugin.plugin import AccumulationPlugin
-from tb_plugin.plugin import downsample_min_max
 from tfaccum import GradientAccumulationCallback
 
 PREFIX = "/data/plugin/accumulation"
@@ -259,11 +261,15 @@ class CountingProvider:
 
     def __init__(self, inner):
         self._inner = inner
-        self.reads = 0
+        self.reads = self.listings = 0
 
     def read_scalars(self, *args, **kwargs):
         self.reads += 1
         return self._inner.read_scalars(*args, **kwargs)
+
+    def list_scalars(self, *args, **kwargs):
+        self.listings += 1
+        return self._inner.list_scalars(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -290,6 +296,8 @@ def test_answers_are_kept_until_the_run_has_new_data(tmp_path):
     counting = CountingProvider(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)))
     plugin = AccumulationPlugin(base_plugin.TBContext(logdir=str(tmp_path),
                                                       data_provider=counting))
+    now = [0.0]
+    plugin._listings = cache.Listings(clock=lambda: now[0])  # a clock the test moves
     client = werkzeug_test.Client(application.TensorBoardWSGI([plugin], data_provider=counting))
 
     # 16 concurrent requests for a cold answer read the data once.
@@ -308,7 +316,14 @@ def test_answers_are_kept_until_the_run_has_new_data(tmp_path):
     get_json(client, "/series?run=run&points=2")  # other parameters: another answer
     assert counting.reads > reads
 
+    listings = counting.listings
+    for _ in range(20):  # many requests within a second: listed once
+        get_json(client, "/series?run=run")
+    assert counting.listings == listings
+
     write(range(4, 6))  # the run grows; TensorBoard reloads
     multiplexer.Reload()
+    assert get_json(client, "/series?run=run")["steps"] == [1, 2, 3]  # listed under a second ago
+    now[0] += cache.LISTING_SECONDS
     assert get_json(client, "/series?run=run")["steps"] == [1, 2, 3, 4, 5]
     assert get_json(client, "/runs")["runs"][0]["updates"] == 5

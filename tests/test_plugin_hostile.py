@@ -15,16 +15,17 @@ import urllib.request
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
 from tensorboard.compat.proto import summary_pb2
-from tensorboard_server import TensorBoard
 
-from tb_plugin import metadata
-from tfaccum import GradientAccumulationCallback
+from reference import make_data
+from reference import make_model
+from tensorboard_server import TensorBoard
 from test_plugin import PREFIX
 from test_plugin import client_for
 from test_plugin import get_json
+
+from tb_plugin import metadata
+from tfaccum import GradientAccumulationCallback
 
 
 def write(log_dir, tag, values, meta):

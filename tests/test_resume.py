@@ -1,25 +1,14 @@
 """Interrupting and resuming with keras.callbacks.BackupAndRestore."""
 
-from conftest import keras
 import pytest
-from conftest import make_data
-from conftest import make_model
-from conftest import max_weight_diff
+
+from reference import InterruptAt
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
-
-
-class InterruptAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("interrupted")
 
 
 def test_epoch_backups_lose_nothing(tmp_path):

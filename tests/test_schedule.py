@@ -2,8 +2,9 @@
 
 import numpy as np
 import pytest
-from conftest import make_data
-from conftest import make_model
+
+from reference import make_data
+from reference import make_model
 
 from tfaccum import GradientAccumulationCallback
 from tfaccum.schedule import AccumulationSchedule

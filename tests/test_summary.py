@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
 from tensorboard.backend.event_processing import event_accumulator
+
+from reference import make_data
+from reference import make_model
 
 from tb_plugin import metadata
 from tfaccum import GradientAccumulationCallback
@@ -175,7 +176,7 @@ def test_buffer_is_written_before_it_fills(tmp_path, monkeypatch):
 def test_writer_is_created_lazily(tmp_path):
     """No writer until the first write (the first epoch's end); the directory is
     made, and probed by writing, when `fit` starts, before any batch trains."""
-    from conftest import keras
+    from reference import keras
 
     x, y = make_data(n=32)
     log_dir = tmp_path / "later"
@@ -220,7 +221,7 @@ def test_bad_summary_options(kwargs, error, message):
 KILLED_RUN = r'''
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
-from conftest import keras, make_data, make_model
+from reference import keras, make_data, make_model
 from tfaccum import GradientAccumulationCallback
 
 x, y = make_data(n=8 * 200)

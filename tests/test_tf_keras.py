@@ -12,13 +12,14 @@ import subprocess
 import sys
 
 import numpy as np
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 import tf_keras
+
+from test_summary import read_run
 
 from tb_plugin.metadata import TAG_PREFIX
 from tfaccum import GradientAccumulationCallback
-from test_summary import read_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")

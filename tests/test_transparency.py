@@ -6,16 +6,17 @@ accumulation_steps=1)` ends with the weights and `optimizer.iterations` of
 of unknown length) is tested in test_callback.py.
 """
 
-import warnings
 
-from conftest import KERAS
-from conftest import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import iterations
-from conftest import max_weight_diff
+
+from reference import KERAS
+from reference import fit_with_and_without
+from reference import iterations
+from reference import keras
+from reference import make_data
+from reference import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
 
@@ -24,15 +25,9 @@ TOL = 1e-6
 
 def fit_both(build, x, y=None, epochs=2, **fit):
     """Fits two identical models, the second with the callback at steps=1."""
-    fit = dict(epochs=epochs, shuffle=False, verbose=0, **fit)
-    plain = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "no trainable weights", both alike
-        plain.fit(x, y, **fit)
-        ours = build()
-        callback = GradientAccumulationCallback(accumulation_steps=1)
-        ours.fit(x, y, callbacks=[callback, *fit.pop("callbacks", [])], **fit)
-    return plain, ours, callback
+    pair = fit_with_and_without(build, x, y, epochs=epochs, **fit)
+    assert pair.diff < TOL  # update for update
+    return pair.reference, pair.model, pair.callback
 
 
 def assert_same(plain, ours):

@@ -3,15 +3,16 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data
-from conftest import make_model
+
+from reference import make_data
+from reference import make_model
 
 from tfaccum import AccumulationHook
 from tfaccum.observers import WindowObserver
-from tfaccum.window import TOTAL_COUNTS
-from tfaccum.window import WINDOW_COUNTS
 from tfaccum.window import AccumulationWindow
 from tfaccum.window import Counts
+from tfaccum.window import TOTAL_COUNTS
+from tfaccum.window import WINDOW_COUNTS
 
 
 def test_counts_are_read_and_written_by_name():

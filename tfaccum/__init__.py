@@ -1,8 +1,8 @@
 """tfaccum: exact, observable gradient accumulation for Keras 3 / TensorFlow."""
 
 from tfaccum.callback import GradientAccumulationCallback
+from tfaccum.convert import convert_batch_norm
 from tfaccum.layers import AccumBatchNormalization
-from tfaccum.layers import convert_batch_norm
 from tfaccum.hook import AccumulationHook
 from tfaccum.hook import Window
 from tfaccum.hook import install_accumulation_hook
@@ -10,6 +10,7 @@ from tfaccum.hook import remove_accumulation_hook
 from tfaccum.items import count_items
 from tfaccum.multi_worker import disable_keras3_multi_worker
 from tfaccum.multi_worker import enable_keras3_multi_worker
+from tfaccum.reduction import Reduction
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ __all__ = [
     "AccumBatchNormalization",
     "AccumulationHook",
     "GradientAccumulationCallback",
+    "Reduction",
     "Window",
     "convert_batch_norm",
     "count_items",

@@ -10,7 +10,7 @@ Every private Keras or TensorFlow attribute tfaccum uses is read or written
 here, and nowhere else; each says which versions it was checked on. "Checked"
 means read in the sources and exercised by the test suite, which CI runs on
 the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21) and, as a
-smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.5.0,
+smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.7.0,
 tf_keras 2.16.0).
 """
 
@@ -253,6 +253,41 @@ class TfKeras:
         return None  # the window holds unscaled gradients: keep it
 
 
+def local_variable(initial_value, name):
+    """A non-trainable variable of this machine only, even inside a strategy's scope.
+
+    Observers keep what they see in such variables: with several replicas
+    nothing of theirs is mirrored, broadcast or reduced, so a callback given
+    to one worker only starts no collective. Private: a `ResourceVariable`
+    built directly skips the strategy's variable creator (TensorFlow
+    2.16-2.21; `tf.Variable` would make a mirrored one).
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.init_scope():
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+def for_each_replica(strategy, fn, args=(), kwargs=None):
+    """Runs `fn` on every replica, from the cross-replica context of a step.
+
+    Private in TensorFlow 2: `StrategyExtendedV1.call_for_each_replica`,
+    which `MirroredStrategy` and `MultiWorkerMirroredStrategy`'s extended
+    objects keep (TensorFlow 2.16-2.21); `strategy.run` cannot be called
+    inside a `merge_call`.
+    """
+    return strategy.extended.call_for_each_replica(fn, args=args, kwargs=kwargs)
+
+
+def writes_summaries(strategy):
+    """Whether this worker writes summaries: the chief, or the only one.
+
+    Private in TensorFlow 2: `StrategyExtendedV1.should_save_summary`
+    (TensorFlow 2.16-2.21), what Keras' own TensorBoard callback reads.
+    """
+    return getattr(strategy.extended, "should_save_summary", True)
+
+
 def all_reduce_sum(grads):
     """`grads` summed over replicas (one batched all-reduce; `None` kept)."""
     present = [g for g in grads if g is not None]
@@ -359,6 +394,23 @@ def flatten_layers(model):
     Private: `Layer._flatten_layers` (Keras 3.5-3.15, tf_keras 2.16-2.21).
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def regularized_weights(model):
+    """Names of `model`'s trainable weights that carry a weight regularizer.
+
+    Keras 3 keeps it on the variable (`Variable.regularizer`, public, 3.7-3.15);
+    tf_keras on the layer (`kernel_regularizer` and its kin, public).
+    """
+    names = [getattr(v, "path", v.name) for v in model.trainable_variables
+             if getattr(v, "regularizer", None) is not None]
+    if names or not is_tf_keras_model(model):
+        return names
+    attributes = ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer",
+                  "depthwise_regularizer", "pointwise_regularizer", "recurrent_regularizer",
+                  "gamma_regularizer", "beta_regularizer")
+    return [f"{layer.name}.{attribute}" for layer in flatten_layers(model)
+            for attribute in attributes if getattr(layer, attribute, None) is not None]
 
 
 def forget_traced_functions(model):
@@ -609,3 +661,91 @@ def iterations(optimizer):
 def scales_loss_dynamically(optimizer):
     """Whether `optimizer` is a `LossScaleOptimizer` (mixed precision)."""
     return getattr(optimizer, "inner_optimizer", None) is not None
+
+
+class _Keras3MultiWorkerPatch:
+    """Replaces two functions of Keras 3's TensorFlow trainer across workers.
+
+    See `tfaccum.multi_worker`. Private: `keras.src.backend.tensorflow.trainer`'s
+    `reduce_per_replica`, `_collective_all_reduce_multi_worker` and
+    `TensorFlowTrainer._maybe_symbolic_build`, `Model._distribute_strategy`
+    and `Model._symbolic_build` (Keras 3.7-3.15), replaced process-wide while
+    installed (only where several workers are involved do they act).
+    """
+
+    def __init__(self):
+        self._originals = {}
+
+    @staticmethod
+    def _module():
+        from keras.src.backend.tensorflow import trainer
+
+        return trainer
+
+    def missing(self):
+        """The private names this Keras lacks (empty when the patch fits)."""
+        module = self._module()
+        return [
+            name
+            for name, owner in (
+                ("reduce_per_replica", module),
+                ("_collective_all_reduce_multi_worker", module),
+                ("_maybe_symbolic_build", getattr(module, "TensorFlowTrainer", None)),
+            )
+            if not hasattr(owner, name)
+        ]
+
+    def install(self):
+        if self._originals:
+            return
+        module = self._module()
+        trainer = module.TensorFlowTrainer
+        reduce_per_replica = module.reduce_per_replica
+        maybe_symbolic_build = trainer._maybe_symbolic_build
+
+        def across_workers(strategy):
+            return module._collective_all_reduce_multi_worker(strategy)
+
+        def reduce_logs(values, strategy, reduction):
+            if reduction in ("auto", "mean") and across_workers(strategy):
+                return tf.nest.map_structure(
+                    lambda v: (
+                        strategy.reduce("MEAN", v, axis=None)
+                        if isinstance(v, tf.distribute.DistributedValues)
+                        else v
+                    ),
+                    values,
+                )
+            return reduce_per_replica(values, strategy, reduction)
+
+        def symbolic_build(model, iterator=None, data_batch=None):
+            strategy = model._distribute_strategy
+            if iterator is None or strategy is None or not across_workers(strategy):
+                return maybe_symbolic_build(model, iterator=iterator, data_batch=data_batch)
+            for step in iterator:  # (step, iterator), or (begin, end, iterator) from 3.10
+                data_batch = tf.nest.map_structure(
+                    lambda v: (
+                        strategy.experimental_local_results(v)[0]
+                        if isinstance(v, tf.distribute.DistributedValues)
+                        else v
+                    ),
+                    next(step[-1]),
+                )
+                break
+            with strategy.scope():
+                model._symbolic_build(data_batch=data_batch)
+
+        self._originals.update(reduce=reduce_per_replica, build=maybe_symbolic_build)
+        module.reduce_per_replica = reduce_logs
+        trainer._maybe_symbolic_build = symbolic_build
+
+    def remove(self):
+        if not self._originals:
+            return
+        module = self._module()
+        module.reduce_per_replica = self._originals["reduce"]
+        module.TensorFlowTrainer._maybe_symbolic_build = self._originals["build"]
+        self._originals.clear()
+
+
+keras3_multi_worker_patch = _Keras3MultiWorkerPatch()

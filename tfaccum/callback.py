@@ -1,20 +1,13 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
-import difflib
-import numbers
-import os
-import warnings
-
-import tensorflow as tf
-
-from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
+from tfaccum import checks
 from tfaccum.hook import AccumulationHook
-from tfaccum.hook import check_reduction
-from tfaccum.hook import check_skip_nonfinite
-from tfaccum.hook import check_sparse_gradients
+from tfaccum import reduction as reductions
+from tfaccum.fit_scope import FitScope
+from tfaccum.moments import accumulating_layers
+from tfaccum.moments import window_observers
 from tfaccum.noise_scale import NoiseScaleEstimator
-from tfaccum.patching import InstancePatch
 from tfaccum.schedule import AccumulationSchedule
 from tfaccum.summary import AccumulationSummaries
 
@@ -32,95 +25,6 @@ _OPTIONS = {
     "write_interval": "write_interval",
     "sparse_gradients": "sparse_gradients",
 }
-# The last hook a callback removed from a model: a new callback with the
-# same configuration reinstalls it instead of tracing a train step again.
-_SPARE_HOOK_ATTRIBUTE = "_tfaccum_spare_hook"
-
-
-def _is_plain_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_log_dir(log_dir):
-    """`log_dir` as a string, or an error if it cannot be a directory to write to.
-
-    Nothing is created here. Paths with a scheme (`gs://...`) are left to
-    TensorFlow's file system.
-    """
-    if log_dir is None:
-        return None
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(
-            "`log_dir` must be a path (str or os.PathLike) or None. "
-            f"Received: log_dir={log_dir!r}"
-        )
-    path = os.fspath(log_dir)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not path.strip():
-        raise ValueError(
-            "`log_dir` must name a directory; pass None for no summaries. "
-            f"Received: log_dir={log_dir!r}"
-        )
-    if "\x00" in path:
-        raise ValueError(f"`log_dir` must not hold a NUL character. Received: log_dir={log_dir!r}")
-    if "://" in path:
-        return path
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    problem = None
-    if not os.path.isdir(existing):
-        problem = f"{existing!r} is not a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{existing!r} is not writable"
-    if problem:
-        raise ValueError(
-            "`log_dir` must be a directory tfaccum can create and write "
-            f"summaries to, but {problem}. Received: log_dir={log_dir!r}"
-        )
-    return path
-
-
-def probe_log_dir(log_dir):
-    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
-    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
-    try:
-        tf.io.gfile.makedirs(log_dir)
-        with tf.io.gfile.GFile(probe, "w") as file:
-            file.write("")
-        tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as error:
-        raise ValueError(
-            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
-            f"{error}. Received: log_dir={log_dir!r}"
-        ) from error
-
-
-def _check_leftover(leftover):
-    if not isinstance(leftover, str) or leftover not in LEFTOVERS:
-        raise ValueError(
-            f"`leftover` must be one of {', '.join(map(repr, LEFTOVERS))}. "
-            f"Received: leftover={leftover!r}"
-        )
-    return leftover
-
-
-def _reject_unknown(kwargs, known):
-    if not kwargs:
-        return
-    hints = []
-    for name in kwargs:
-        close = difflib.get_close_matches(name, known, n=1)
-        if close:
-            hints.append(f"`{name}` (did you mean `{close[0]}`?)")
-        else:
-            hints.append(f"`{name}`")
-    raise TypeError(
-        "Unrecognized keyword arguments passed to "
-        f"GradientAccumulationCallback: {', '.join(hints)}. Accepted: "
-        f"{', '.join(known)}. Received: {kwargs!r}"
-    )
 
 
 class GradientAccumulationCallback(_keras.Callback):
@@ -237,61 +141,31 @@ class GradientAccumulationCallback(_keras.Callback):
         sparse_gradients="rows",
         **kwargs,
     ):
-        _reject_unknown(kwargs, list(_OPTIONS))
+        checks.reject_unknown(kwargs, list(_OPTIONS))
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)
         self.accumulation_steps = accumulation_steps
-        self.reduction = check_reduction(reduction)
-        self.leftover = _check_leftover(leftover)
-        if not _is_plain_int(verbose) or verbose not in (0, 1):
-            raise ValueError(
-                f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
-            )
-        self.verbose = int(verbose)
-        self.skip_nonfinite = check_skip_nonfinite(skip_nonfinite)
-        if noise_scale is not None and not isinstance(noise_scale, bool):
-            raise TypeError(
-                "`noise_scale` must be None, True or False. "
-                f"Received: noise_scale={noise_scale!r}"
-            )
-        if noise_scale is True and self.schedule.always_one:
-            raise ValueError(
-                "The noise scale compares gradients at two batch sizes, the "
-                "micro-batch and the window: it needs `accumulation_steps` >= 2. "
-                "Received: noise_scale=True with accumulation_steps="
-                f"{accumulation_steps!r}. Pass noise_scale=False, or accumulate."
-            )
-        self.noise_scale_option = noise_scale
+        self.reduction = checks.check_reduction(reduction)
+        self.leftover = checks.check_leftover(leftover)
+        self.verbose = checks.check_verbose(verbose)
+        self.skip_nonfinite = checks.check_skip_nonfinite(skip_nonfinite)
+        self.noise_scale_option = checks.check_noise_scale(
+            noise_scale, accumulation_steps, self.schedule.always_one)
         self.estimator = None  # a NoiseScaleEstimator once fit starts
-        self.log_dir = check_log_dir(log_dir)
-        if not isinstance(scalars, bool):
-            raise TypeError(
-                f"`scalars` must be True or False. Received: scalars={scalars!r}"
-            )
-        if scalars and log_dir is None:
-            raise ValueError(
-                "`scalars=True` writes to `log_dir`: pass a `log_dir` too. "
-                "Received: log_dir=None"
-            )
-        self.scalars = scalars
-        if (
-            isinstance(write_interval, bool)
-            or not isinstance(write_interval, numbers.Real)
-            or not write_interval > 0
-            or write_interval == float("inf")
-        ):
-            raise ValueError(
-                "`write_interval` must be a number of seconds > 0. "
-                f"Received: write_interval={write_interval!r}"
-            )
-        self.write_interval = float(write_interval)
-        self.sparse_gradients = check_sparse_gradients(sparse_gradients)
+        self.log_dir = checks.check_log_dir(log_dir)
+        self.scalars = checks.check_scalars(scalars, log_dir)
+        self.write_interval = checks.check_write_interval(write_interval)
+        self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
         self.summaries = None  # created at the first fit with a log_dir
-        self.hook = None  # kept after `fit` for its counters and compiled step
+        self._scope = FitScope(end_fit=self._end_fit)
         self._epoch_open = False
-        self._fit_ended = True
 
     # -- counters -------------------------------------------------------------
+
+    @property
+    def hook(self):
+        """The `AccumulationHook` of the last `fit`: its counters and compiled step."""
+        return self._scope.hook
 
     def _count(self, name):
         return 0 if self.hook is None else getattr(self.hook, name)
@@ -348,24 +222,20 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         self._first_among_callbacks()
-        if self.log_dir is not None and model.distribute_strategy.extended.should_save_summary:
-            probe_log_dir(self.log_dir)
-        hook = self._reusable_hook(model)
-        if hook is not None:
+        if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
+            checks.probe_log_dir(self.log_dir)
+        hook = self._scope.reusable(model, self._configuration(model))
+        if hook is not None:  # same model, same compile: no re-tracing
             if hook is not self.hook:
                 self._adopt_observers(hook)
-            hook.reinstall()  # same model, same compile: no re-tracing
+            self._scope.begin(hook, reinstall=True)
         else:
-            hook = self._new_hook(model)
-        self.hook = hook
-        hook._loop_running = True
+            self._scope.begin(self._new_hook(model), reinstall=False)
         self._epoch_open = False
-        self._fit_ended = False
         self._last_batch = -1
         if self.summaries is not None:
             self._summary_headroom = self.summaries.capacity - (
-                hook._api.steps_per_execution(model)
-            )
+                _keras.api_for(model).steps_per_execution(model))
 
     def _first_among_callbacks(self):
         """Refuses checkpoints that cannot resume accumulation; runs first.
@@ -397,33 +267,22 @@ class GradientAccumulationCallback(_keras.Callback):
             callbacks.callbacks.remove(self)
             callbacks.callbacks.insert(0, self)
 
-    def _configuration(self):
-        """What a hook must have been made with for this callback to reuse it."""
-        return (
-            self.reduction,
-            self.skip_nonfinite,
-            self.sparse_gradients,
-            self.log_dir is not None,
-            self._wants_noise_scale(),
-        )
+    def _configuration(self, model):
+        """What a hook made by this callback for `model` holds (`hook.configuration`)."""
+        observers = []
+        if self._wants_noise_scale():
+            observers.append("NoiseScaleEstimator")
+        if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
+            observers.append("AccumulationSummaries")
+        if accumulating_layers(model):
+            observers.append("BatchNormWindows")
+        return dict(reduction=reductions.get(self.reduction), skip_nonfinite=self.skip_nonfinite,
+                    sparse_gradients=self.sparse_gradients, observers=tuple(observers))
 
     def _wants_noise_scale(self):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
         return not self.schedule.always_one
-
-    def _reusable_hook(self, model):
-        """A hook made for `model` with this configuration, that can be reinstalled."""
-        spare = model.__dict__.get(_SPARE_HOOK_ATTRIBUTE)
-        for hook in (self.hook, spare):
-            if (
-                hook is not None
-                and hook.model is model
-                and getattr(hook, "_tfaccum_configuration", None) == self._configuration()
-                and hook.can_reinstall()
-            ):
-                return hook
-        return None
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""
@@ -443,7 +302,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self.estimator = NoiseScaleEstimator() if self._wants_noise_scale() else None
         self.summaries = None
         # Across workers the chief writes: every worker's rows are the same.
-        if self.log_dir is not None and strategy.extended.should_save_summary:
+        if self.log_dir is not None and _keras.writes_summaries(strategy):
             self.summaries = AccumulationSummaries(
                 self.log_dir,
                 scalars=self.scalars,
@@ -451,79 +310,14 @@ class GradientAccumulationCallback(_keras.Callback):
                 noise=self.estimator,
             )
         observers = [o for o in (self.estimator, self.summaries) if o is not None]
-        hook = AccumulationHook(
+        observers += window_observers(model, strategy)
+        return AccumulationHook(
             model,
             accumulation_steps=1,  # set from the schedule at each epoch start
             reduction=self.reduction,
             skip_nonfinite=self.skip_nonfinite,
             sparse_gradients=self.sparse_gradients,
             observers=observers,
-        )
-        hook._tfaccum_configuration = self._configuration()
-        try:
-            self._scope_to_fit(hook)
-        except BaseException:
-            hook._loop_running = False
-            hook.remove()
-            raise
-        return hook
-
-    def _scope_to_fit(self, hook):
-        """Makes `hook` belong to the running `fit`, however that `fit` ends.
-
-        Keras tells no callback when `fit` fails (another callback raising,
-        KeyboardInterrupt, ...). So the next `fit` or `train_on_batch` of the
-        model first removes a hook whose `fit` did not end: the model trains
-        plainly without anyone removing it by hand. And the partial window
-        left at the end is applied before Keras writes the optimizer's EMA
-        into the weights (`finalize_variable_values`), not after.
-        """
-        model = hook.model
-
-        def ended_first(name):
-            def call(*args, **kwargs):
-                self._remove_stale(hook)
-                return getattr(model, name)(*args, **kwargs)
-
-            call.__name__ = name
-            return call
-
-        for name in ("fit", "train_on_batch"):
-            hook._add_patch(InstancePatch(model, name, ended_first(name)))
-        finalize = InstancePatch(model.optimizer, "finalize_variable_values", None)
-
-        def finalize_variable_values(var_list):
-            if hook.installed and not self._fit_ended:
-                self._end_fit()
-            return finalize.original()(var_list)
-
-        finalize.value = finalize_variable_values
-        hook._add_patch(finalize)
-
-    def _remove_stale(self, hook):
-        """Removes a hook whose `fit` stopped without ending (an exception)."""
-        if not hook.installed:
-            return
-        hook._loop_running = False
-        self._fit_ended = True
-        self._epoch_open = False
-        window = hook.drop()
-        try:
-            hook._uninstall()
-        except Exception as error:  # noqa: BLE001 - the model is plain again
-            warnings.warn(
-                "Could not write what the accumulation summaries of the "
-                f"unfinished `fit` held: {type(error).__name__}: {error}",
-                stacklevel=3,
-            )
-        warnings.warn(
-            "Removed the accumulation hook of model "
-            f"{hook.model.name!r} left by a `fit` that did not finish "
-            "(it raised an exception); discarded its "
-            f"{window.micro_batches} pending micro-batches ({window.samples} "
-            "samples). This call trains the model plainly unless it is given "
-            "a GradientAccumulationCallback.",
-            stacklevel=3,
         )
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -587,16 +381,14 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_train_end(self, logs=None):
         if self.hook is None or not self.hook.installed:
             return
-        if not self._fit_ended:
+        if not self._scope.fit_ended:
             self._end_fit()
-        self.hook.remove()
-        self.model.__dict__[_SPARE_HOOK_ATTRIBUTE] = self.hook
+        self._scope.retire()
 
     def _end_fit(self):
         """Applies or drops what is left when `fit` ends; the loop is over."""
         hook = self.hook
-        self._fit_ended = True
-        hook._loop_running = False
+        self._scope.end()
         window = hook.drop() if self.leftover == "drop" else hook.flush()
         action = "drop" if self.leftover == "drop" else "flush"
         self._log_leftover(action, window)
@@ -654,11 +446,7 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _abandon(self):
         """Removes the hook after an error that aborts `fit`."""
-        if self.hook is not None and self.hook.installed:
-            self._fit_ended = True
-            self.hook._loop_running = False
-            self.hook.drop()
-            self.hook.remove()
+        self._scope.abandon()
 
 
 def _counted(count, noun):

@@ -15,8 +15,8 @@ averages) before dividing.
 import tensorflow as tf
 
 from tb_plugin import metadata
+from tfaccum import _keras
 from tfaccum.observers import WindowObserver
-from tfaccum.observers import local_variable
 
 SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
 
@@ -45,7 +45,7 @@ class NoiseScaleEstimator(WindowObserver):
 
     def __init__(self):
         def variable(name, dtype=tf.float32):
-            return local_variable(tf.zeros((), dtype), name)
+            return _keras.local_variable(tf.zeros((), dtype), name)
 
         self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
         self._micro_samples = variable("micro_samples")  # sum b

@@ -11,22 +11,7 @@ import dataclasses
 import functools
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
-
 from tfaccum.norms import squared_norm
-
-
-def local_variable(initial_value, name):
-    """A non-trainable variable of this machine only, even inside a strategy's scope.
-
-    Observers keep what they see in such variables: with several replicas
-    nothing of theirs is mirrored, broadcast or reduced, so a callback given
-    to one worker only starts no collective. Private: a `ResourceVariable`
-    built directly skips the strategy's variable creator (TensorFlow
-    2.16-2.21; `tf.Variable` would make a mirrored one).
-    """
-    with tf.init_scope():
-        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
 
 
 class WindowObserver:

@@ -94,28 +94,49 @@ class SharedPatches:
                         patch.restore()
 
 
+_HOOK_ATTRIBUTE = "_tfaccum_hook"
+
+
+def installed_on(model):
+    """The hook installed on `model` (its `ModelInstallation`'s owner), or `None`."""
+    return model.__dict__.get(_HOOK_ATTRIBUTE)
+
+
 class ModelInstallation:
     """What a hook sets on its model while installed, and how it is undone.
 
-    `install()` applies the patches and makes the accumulating train
-    function the model's (traced at the first install, reused while the
-    model compiles to the same thing); `uninstall()` restores the patches and
-    the plain train function the model had, if it still compiles to it.
+    It patches the model's `train_step` with `train_step` and marks the model
+    as `owner`'s (`installed_on`). `install()` applies the patches and makes
+    the accumulating train function the model's (traced at the first
+    install, reused while the model compiles to the same thing);
+    `uninstall()` restores the patches and the plain train function the
+    model had, if it still compiles to it. Whoever scopes the hook to a
+    `fit` holds patches of its own here (`hold`) and says whether that
+    `fit`'s loop runs (`loop_running`).
 
     Args:
         model: The compiled Keras model.
-        patches: `InstancePatch`es held while installed (more can be added).
+        train_step: The accumulating `train_step(data)`.
+        owner: The hook.
     """
 
-    def __init__(self, model, patches):
+    def __init__(self, model, train_step, owner):
         self.model = model
-        self.patches = list(patches)
+        self.train_step_patch = InstancePatch(model, "train_step", train_step)
+        self.patches = [self.train_step_patch, InstancePatch(model, _HOOK_ATTRIBUTE, owner)]
         self.installed = False
+        # Whether a `fit` that owns the hook is in its training loop: `None`
+        # for a hook installed by hand (any running `fit` counts).
+        self.loop_running = None
         self._api = _keras.api_for(model)
         self._train_function = None  # the accumulating one, once traced
         self._compiled_for = None
         self._plain_function = None
         self._plain_state = None
+
+    def original_train_step(self):
+        """The model's own `train_step` (Keras' default, or an override)."""
+        return self.train_step_patch.original()
 
     def compiled_state(self):
         """What a compiled train function depends on, besides the hook."""
@@ -130,7 +151,7 @@ class ModelInstallation:
                 tuple(id(v) for v in model.trainable_variables),
             )
 
-    def add(self, patch):
+    def hold(self, patch):
         """Holds one more patch while installed (applied now if installed)."""
         self.patches.append(patch)
         if self.installed:
@@ -153,7 +174,7 @@ class ModelInstallation:
 
     def can_reinstall(self):
         """Whether the traced train function still fits the model."""
-        if self.installed or self._compiled_for is None:
+        if self.installed or self._compiled_for is None or installed_on(self.model):
             return False
         current = self.compiled_state()
         return all(a is b or a == b for a, b in zip(current, self._compiled_for))

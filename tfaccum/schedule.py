@@ -1,38 +1,9 @@
 """`accumulation_steps` as a constant, a `{epoch: steps}` dict or a callable."""
 
 import inspect
-import numbers
 
-# The window length lives in an int64 variable.
-MAX_STEPS = 2**63 - 1
-
-
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_steps(value, received=None):
-    """Returns `value` as an `int` >= 1, or raises saying what was received.
-
-    `received` describes where `value` came from; it defaults to
-    `accumulation_steps=<value>`.
-    """
-    received = received or f"accumulation_steps={value!r}"
-    if not _is_int(value):
-        raise TypeError(
-            "`accumulation_steps` must be an integer >= 1. "
-            f"Received: {received} (of type {type(value).__name__})"
-        )
-    if value < 1:
-        raise ValueError(
-            f"`accumulation_steps` must be an integer >= 1. Received: {received}"
-        )
-    if value > MAX_STEPS:
-        raise ValueError(
-            "`accumulation_steps` must be an integer >= 1 and below 2**63 "
-            f"(it is kept as an int64). Received: {received}"
-        )
-    return int(value)
+from tfaccum.checks import check_steps
+from tfaccum.checks import is_int
 
 
 def _check_arity(function):
@@ -79,7 +50,7 @@ class AccumulationSchedule:
                     "Received: accumulation_steps={}"
                 )
             for epoch, steps in accumulation_steps.items():
-                if not _is_int(epoch) or epoch < 0:
+                if not is_int(epoch) or epoch < 0:
                     raise ValueError(
                         "The keys of an `accumulation_steps` dict must be "
                         "epochs (integers >= 0). Received: "

@@ -16,9 +16,9 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
+from tfaccum import _keras
 from tfaccum.norms import unscaled
 from tfaccum.observers import WindowObserver
-from tfaccum.observers import local_variable
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
@@ -66,16 +66,16 @@ class AccumulationSummaries(WindowObserver):
         # One row more than `capacity`: where an update that finds the
         # buffer full goes (never written out), so that storing a row
         # needs no branch.
-        self._rows = local_variable(
+        self._rows = _keras.local_variable(
             tf.zeros((capacity + 1, len(_COLUMNS)), tf.float64), "summary_rows"
         )
-        self._row_count = local_variable(tf.zeros((), tf.int64), "summary_row_count")
+        self._row_count = _keras.local_variable(tf.zeros((), tf.int64), "summary_row_count")
         # Updates that found the buffer full (none when written in time).
-        self._overflow = local_variable(tf.zeros((), tf.int64), "summary_overflow")
+        self._overflow = _keras.local_variable(tf.zeros((), tf.int64), "summary_overflow")
         # Sum and maximum of the micro-batch gradient norms in the window.
-        self._micro_norm_sum = local_variable(0.0, "micro_norm_sum")
-        self._micro_norm_max = local_variable(0.0, "micro_norm_max")
-        self._micro_count = local_variable(0.0, "micro_count")
+        self._micro_norm_sum = _keras.local_variable(0.0, "micro_norm_sum")
+        self._micro_norm_max = _keras.local_variable(0.0, "micro_norm_max")
+        self._micro_count = _keras.local_variable(0.0, "micro_count")
         self._norms = None  # (capacity, variables), created at installation
 
     def __repr__(self):
@@ -101,7 +101,7 @@ class AccumulationSummaries(WindowObserver):
 
     def _make_norms(self, variables):
         self._columns = {id(v): i for i, v in enumerate(variables)}
-        self._norms = local_variable(
+        self._norms = _keras.local_variable(
             tf.zeros((self.capacity + 1, len(variables)), tf.float32),
             "summary_accumulator_norms",
         )
@@ -127,23 +127,22 @@ class AccumulationSummaries(WindowObserver):
         micro_steps = counts["micro_steps"]
         updates = counts["optimizer_steps"] + 1
         noise_scale = float("nan") if self.noise is None else self.noise.current()
-        row = tf.stack(
-            [
-                tf.cast(update.iterations, tf.float64),
-                tf.cast(tf.norm(present_norms), tf.float64),
-                tf.cast(self._micro_norm_sum, tf.float64)
-                / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
-                tf.cast(self._micro_norm_max, tf.float64),
-                tf.cast(window["window_micro_batches"], tf.float64),
-                tf.cast(window["window_samples"], tf.float64),
-                tf.cast(micro_steps, tf.float64),
-                tf.cast(micro_steps - updates, tf.float64),
-                tf.cast(counts["nonfinite_skips"], tf.float64),
-                tf.cast(noise_scale, tf.float64),
-                tf.cast(window["window_items"], tf.float64),
-                tf.cast(float("nan") if update.loss is None else update.loss, tf.float64),
-            ]
-        )
+        values = {
+            "applied_gradient_norm": tf.norm(present_norms),
+            "micro_norm_mean": tf.cast(self._micro_norm_sum, tf.float64)
+            / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
+            "micro_norm_max": self._micro_norm_max,
+            "window_micro_batches": window["window_micro_batches"],
+            "window_samples": window["window_samples"],
+            "micro_steps": micro_steps,
+            "skipped_updates": micro_steps - updates,
+            "nonfinite_skips": counts["nonfinite_skips"],
+            "noise_scale": noise_scale,
+            "window_items": window["window_items"],
+            "window_loss": float("nan") if update.loss is None else update.loss,
+        }
+        row = tf.stack([tf.cast(update.iterations, tf.float64)]
+                       + [tf.cast(values[name], tf.float64) for name in _SERIES])
         # A full buffer sends the row to the spare row: never overwrite a
         # stored one; count what was lost, the host warns.
         count = self._row_count.read_value()

@@ -1,12 +1,19 @@
 """The accumulation window: what has been added since the last update.
 
-An `AccumulationWindow` holds one accumulator per variable that received a
-gradient and the hook's `Counts`, and has the few operations a window has:
-add a micro-step, leave one out, read the normalised gradients, reset.
+`WindowState` is the window a hook holds: the accumulators
+(`AccumulationWindow`: one per variable that received a gradient), one more
+window per output that counts differently (`OutputChannels`), the `Counts`,
+the window's length and its `Reduction`; it alone adds a micro-batch, leaves
+one out, says whether it is full, reads its counts, normalises and resets.
 Everything here runs inside the compiled train step.
 """
 
+import warnings
+
 import tensorflow as tf
+
+from tfaccum import reduction as _reduction
+from tfaccum.observers import MicroStep
 
 # The counts a hook keeps. The `window_*` ones describe the open window and
 # go back to zero when it ends; the others count since the hook was installed.
@@ -468,3 +475,239 @@ def _cast(grad, dtype):
             tf.cast(grad.values, dtype), grad.indices, grad.dense_shape
         )
     return tf.cast(grad, dtype)
+
+
+class WindowState:
+    """Everything an open window holds, and the only code that changes it.
+
+    The accumulators (`AccumulationWindow`), the outputs that count
+    differently (`OutputChannels`, made when a step first shows them), the
+    counts and the window's length; its `Reduction` says what a micro-batch
+    weighs and what the sum is divided by. It adds a `MicroBatch`, leaves one
+    out, says whether it is full, reads its counts, gives the normalised
+    gradients and the window's loss, and resets, for one channel or many.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy.
+        reduction: A `Reduction`.
+        sparse_rows: Keep sparse gradients as rows (see `AccumulationWindow`).
+        loss_share: What Keras multiplies each replica's loss by.
+    """
+
+    def __init__(self, strategy, reduction, *, sparse_rows, loss_share):
+        self.strategy = strategy
+        self.reduction = reduction
+        self.accumulators = AccumulationWindow(strategy, sparse_rows=sparse_rows)
+        self.counts = self.accumulators.counts
+        self.channels = None
+        self._loss_share = loss_share
+        self._replicas = strategy.num_replicas_in_sync
+        self._sums = isinstance(reduction, _reduction.Sum)
+        self.loss_seen = False  # whether a traced step showed its loss
+        self._warned_dense = False
+        with tf.init_scope(), strategy.scope():
+            self.steps = tf.Variable(tf.ones((), tf.int64), trainable=False,
+                                     name="accumulation_steps")
+
+    @property
+    def traced(self):
+        return self.accumulators.traced
+
+    @property
+    def variables(self):
+        return self.accumulators.variables
+
+    def weight(self, samples, items):
+        """A micro-batch's weight, from the reduction and this replica's open window."""
+        counts = self.counts.read()
+        return self.reduction.weight(samples, items, {name: counts[name] for name in WINDOW_COUNTS})
+
+    # -- while a step traces --------------------------------------------------------
+
+    def track(self, micro, create):
+        """Records what a step applies: accumulators, and the outputs' channels.
+
+        `create(make)` calls `make()` where variables can be made (see
+        `Replication.create`).
+        """
+        self.accumulators.track(micro.grads, micro.variables)
+        self.loss_seen = self.loss_seen or micro.loss is not None
+        if not micro.outputs:
+            return
+        names = [output.name for output in micro.outputs]
+        if self.channels is None:
+            def make(strategy=None):
+                if self.channels is not None:  # another replica's thread made them
+                    return
+                channels = OutputChannels(
+                    self.strategy, names, [output.loss_weight for output in micro.outputs],
+                    sparse_rows=self.accumulators.sparse_rows, loss_share=self._loss_share)
+                if strategy is not None:  # cross-replica: dense, as the main window's
+                    for window in channels.windows:
+                        window.create_dense([v for v in micro.variables
+                                             if self.accumulators.has_accumulator(v)])
+                self.channels = channels
+
+            create(make)
+        elif self.channels.names != names:
+            raise ValueError(
+                f"The outputs whose losses count differently changed between "
+                f"traces: {self.channels.names} then {names}.")
+        self.channels.track([output.grads for output in micro.outputs], micro.variables)
+
+    def warn_if_densified(self, micro, reason):
+        """Warns once that `micro`'s sparse gradients are accumulated densely (`reason`)."""
+        densified = [
+            variable.name
+            for grad, variable in zip(micro.grads, micro.variables)
+            if isinstance(grad, tf.IndexedSlices) and not self.accumulators.uses_rows(variable)
+        ]
+        if self._warned_dense or not densified:
+            return
+        self._warned_dense = True
+        warnings.warn(
+            f"Sparse gradients of {densified} are accumulated densely under "
+            f"{reason}: the optimizer receives a dense gradient, which "
+            "optimizers that treat sparse rows one by one (Adam, Adagrad) "
+            "apply differently from the large batch's rows. Pass "
+            "sparse_gradients='dense' to accept this without a warning.",
+            stacklevel=2,
+        )
+
+    def micro_step(self, micro):
+        """What observers see of `micro`: a `MicroStep`."""
+        return MicroStep(
+            grads=list(micro.grads), variables=list(micro.variables), samples=micro.samples,
+            items=micro.items, gradient_scale=micro.gradient_scale,
+            mean_divisor=micro.samples if self._sums else None)
+
+    def add(self, micro, totals):
+        """Adds `micro` to the window; returns the counts' delta.
+
+        `totals`: whether the hook's totals (`samples`, `items`) count it now
+        (one device) or when the window is reduced (several replicas).
+        """
+        if self.reduction.counts_items:
+            self._forget_uncounted(micro.items)
+        weight = None if micro.weighted else micro.weight
+        self.accumulators.add(micro.rest_grads, micro.variables, weight, loss=micro.rest_loss,
+                              items=micro.items, samples=micro.samples)
+        if micro.outputs:
+            self.channels.add([output.grads for output in micro.outputs], micro.variables,
+                              [output.count for output in micro.outputs],
+                              [output.value for output in micro.outputs])
+        extra = dict(samples=micro.samples, items=micro.items) if totals else {}
+        return self.counts.delta(micro_steps=1, window_micro_batches=1,
+                                 window_samples=micro.samples, window_items=micro.items, **extra)
+
+    def leave_out(self, totals):
+        """A micro-batch left out (non-finite): counted, not added; the delta."""
+        extra = {"nonfinite_skips": 1} if totals else {}
+        return self.counts.delta(micro_steps=1, window_micro_batches=1, window_nonfinite=1,
+                                 **extra)
+
+    def _forget_uncounted(self, items):
+        """Empties the accumulators when the first micro-batch that counts joins a
+        window of micro-batches that counted nothing (see `reduction.Auto`)."""
+        counts = self.counts.read()
+        uncounted = tf.logical_and(counts["window_items"] <= 0, counts["window_samples"] > 0)
+
+        def forget():
+            self.accumulators.clear_gradients()
+            return tf.constant(True)
+
+        tf.cond(tf.logical_and(uncounted, items > 0), forget, lambda: tf.constant(False))
+
+    def position(self):
+        """Micro-batches in the open window, on this machine (int64)."""
+        return self.counts.local()[self.counts.names.index("window_micro_batches")]
+
+    def is_full(self):
+        return self.position() >= self.steps
+
+    # -- when a window ends -------------------------------------------------------------
+
+    def local(self):
+        """This replica's open window: its counts and loss sums."""
+        counts = self.counts.read()
+        window = {name: counts[name] for name in WINDOW_COUNTS}
+        window["loss_sum"] = self.accumulators.loss_sum.read_value()
+        return window
+
+    def reduced(self):
+        """The open window over all replicas (cross-replica; `local()` on one)."""
+        counts = self.counts.global_read()
+        window = {name: counts[name] for name in WINDOW_COUNTS}
+        window["loss_sum"] = self.accumulators.loss_sum.read_value()
+        if self.channels is not None:
+            window.update(self.channels.global_read())
+        return window
+
+    def denominator(self, window, local):
+        """What the summed gradient is divided by (`None`: nothing).
+
+        Keras divides each replica's loss by the number of replicas (the loss
+        share) and sums their gradients: the first is undone here.
+        """
+        denominator = self.reduction.denominator(window)
+        if denominator is None or self._replicas == 1:
+            return denominator
+        share = self._loss_share
+        if self.reduction.per_micro_batch:
+            if share * self._replicas == 1.0:
+                return denominator
+            share *= self._replicas  # the replicas' mean losses sum to replicas times one
+        denominator = tf.cast(denominator, tf.float64) * share
+        kept = self.reduction.keeps(local, window)
+        if kept is not True:
+            denominator = tf.where(kept, denominator, float("inf"))
+        return denominator
+
+    def gradients(self, window, local):
+        """The window's normalised gradients for `variables` (this replica's share)."""
+        grads = self.accumulators.gradients(self.denominator(window, local))
+        if self.channels is not None:
+            grads = self.channels.combine(grads, window.get("channel_items"))
+        return grads
+
+    def loss(self, window):
+        """The window's loss, weighted as the large batch's (float64)."""
+        counted = window["window_items"] > 0
+        loss_sum = tf.where(counted, window["loss_sum"][0], window["loss_sum"][1])
+        denominator = tf.maximum(tf.cast(_reduction.counted_or_samples(window), tf.float64), 1.0)
+        loss = loss_sum / denominator / self._loss_share
+        if self.channels is not None:
+            loss += self.channels.loss(window.get("channel_items"), window.get("channel_loss_sums"))
+        return loss
+
+    def mean_divisor(self, window):
+        """What the applied gradient is divided by to be a mean over samples (`sum`)."""
+        return window["window_samples"] if self._sums else None
+
+    def reset(self, local, window=None, **extra_counts):
+        """Empties the window: accumulators, channels and this replica's window counts.
+
+        With several replicas `window` is the reduced window, whose samples,
+        items and left-out shares join the totals.
+        """
+        self.accumulators.reset()
+        if self.channels is not None:
+            self.channels.reset()
+        if self._replicas > 1:
+            extra_counts.update(samples=window["window_samples"], items=window["window_items"],
+                                nonfinite_skips=window["window_nonfinite"])
+        counts = self.counts
+        counts.add(counts.delta(**{name: -local[name] for name in WINDOW_COUNTS})
+                   + counts.delta(**extra_counts))
+
+    def scale(self, factor):
+        """Multiplies what the window holds by `factor` (a loss scale change)."""
+        self.accumulators.scale(factor)
+        if self.channels is not None:
+            self.channels.scale(factor)
+
+    def zero(self):
+        """Empties everything and zeroes every count (a hook installed again)."""
+        self.accumulators.zero()
+        if self.channels is not None:
+            self.channels.reset()

@@ -1,0 +1,241 @@
+"""Every argument check of the public API, in one place.
+
+Each raises early, Keras' way: naming the argument and what it received, and
+saying what it takes.
+"""
+
+import difflib
+import numbers
+import os
+
+import tensorflow as tf
+
+from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
+
+REDUCTIONS = ("auto", "samples", "mean", "sum")
+SPARSE_GRADIENTS = ("rows", "dense")
+# The window length lives in an int64 variable.
+MAX_STEPS = 2**63 - 1
+
+
+def is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_steps(value, received=None):
+    """Returns `value` as an `int` >= 1, or raises saying what was received.
+
+    `received` describes where `value` came from; it defaults to
+    `accumulation_steps=<value>`.
+    """
+    received = received or f"accumulation_steps={value!r}"
+    if not is_int(value):
+        raise TypeError(
+            "`accumulation_steps` must be an integer >= 1. "
+            f"Received: {received} (of type {type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(
+            f"`accumulation_steps` must be an integer >= 1. Received: {received}"
+        )
+    if value > MAX_STEPS:
+        raise ValueError(
+            "`accumulation_steps` must be an integer >= 1 and below 2**63 "
+            f"(it is kept as an int64). Received: {received}"
+        )
+    return int(value)
+
+
+def check_compiled(model, api, existing):
+    """Raises unless a hook can be installed on `model` (`existing`: its hook, if any)."""
+    if not api.is_compiled(model):
+        raise ValueError(
+            "The model must be compiled before gradient accumulation can "
+            "be installed on it: call `model.compile(optimizer=..., "
+            f"loss=...)` first. Received: model={model.name!r} with "
+            f"optimizer={getattr(model, 'optimizer', None)!r}"
+        )
+    optimizer = model.optimizer
+    built_in = api.built_in_accumulation_steps(optimizer)
+    if built_in:
+        raise ValueError(
+            "The model's optimizer already accumulates gradients itself "
+            f"(gradient_accumulation_steps={built_in}); accumulating "
+            "again would multiply the window. Compile the model with an "
+            "optimizer without `gradient_accumulation_steps` and let "
+            "tfaccum accumulate. Received: "
+            f"{type(optimizer).__name__}(gradient_accumulation_steps="
+            f"{built_in})"
+        )
+    if existing is not None:
+        raise ValueError(
+            f"Model {model.name!r} already has an accumulation hook "
+            f"installed ({existing!r}). Remove it first with "
+            "`hook.remove()` or `tfaccum.remove_accumulation_hook(model)`."
+        )
+
+
+def check_reduction(reduction):
+    """A reduction's name, or a `tfaccum.Reduction` instance."""
+    from tfaccum.reduction import Reduction
+
+    if isinstance(reduction, Reduction):
+        return reduction
+    if isinstance(reduction, type) and issubclass(reduction, Reduction):
+        raise TypeError(
+            "`reduction` takes an instance of a Reduction class, not the class. "
+            f"Received: reduction={reduction!r}. Pass reduction={reduction.__name__}()."
+        )
+    return _check_choice("reduction", reduction, REDUCTIONS, "or a tfaccum.Reduction")
+
+
+def check_sparse_gradients(sparse_gradients):
+    return _check_choice("sparse_gradients", sparse_gradients, SPARSE_GRADIENTS)
+
+
+def _check_choice(name, value, choices, alternative=None):
+    if not isinstance(value, str) or value not in choices:
+        alternative = f" {alternative}" if alternative else ""
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(map(repr, choices))}{alternative}. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_skip_nonfinite(skip_nonfinite):
+    if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
+        raise TypeError(
+            "`skip_nonfinite` must be None, True or False. "
+            f"Received: skip_nonfinite={skip_nonfinite!r}"
+        )
+    return skip_nonfinite
+
+
+def check_log_dir(log_dir):
+    """`log_dir` as a string, or an error if it cannot be a directory to write to.
+
+    Nothing is created here. Paths with a scheme (`gs://...`) are left to
+    TensorFlow's file system.
+    """
+    if log_dir is None:
+        return None
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            "`log_dir` must be a path (str or os.PathLike) or None. "
+            f"Received: log_dir={log_dir!r}"
+        )
+    path = os.fspath(log_dir)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path.strip():
+        raise ValueError(
+            "`log_dir` must name a directory; pass None for no summaries. "
+            f"Received: log_dir={log_dir!r}"
+        )
+    if "\x00" in path:
+        raise ValueError(f"`log_dir` must not hold a NUL character. Received: log_dir={log_dir!r}")
+    if "://" in path:
+        return path
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    problem = None
+    if not os.path.isdir(existing):
+        problem = f"{existing!r} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing!r} is not writable"
+    if problem:
+        raise ValueError(
+            "`log_dir` must be a directory tfaccum can create and write "
+            f"summaries to, but {problem}. Received: log_dir={log_dir!r}"
+        )
+    return path
+
+
+def probe_log_dir(log_dir):
+    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
+    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
+    try:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as file:
+            file.write("")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        raise ValueError(
+            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
+            f"{error}. Received: log_dir={log_dir!r}"
+        ) from error
+
+
+def check_leftover(leftover):
+    if not isinstance(leftover, str) or leftover not in LEFTOVERS:
+        raise ValueError(
+            f"`leftover` must be one of {', '.join(map(repr, LEFTOVERS))}. "
+            f"Received: leftover={leftover!r}"
+        )
+    return leftover
+
+
+def reject_unknown(kwargs, known):
+    if not kwargs:
+        return
+    hints = []
+    for name in kwargs:
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            hints.append(f"`{name}` (did you mean `{close[0]}`?)")
+        else:
+            hints.append(f"`{name}`")
+    raise TypeError(
+        "Unrecognized keyword arguments passed to "
+        f"GradientAccumulationCallback: {', '.join(hints)}. Accepted: "
+        f"{', '.join(known)}. Received: {kwargs!r}"
+    )
+
+
+def check_verbose(verbose):
+    if not is_int(verbose) or verbose not in (0, 1):
+        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+    return int(verbose)
+
+
+def check_noise_scale(noise_scale, accumulation_steps, always_one):
+    """`noise_scale` (None, True or False); True needs windows of 2 or more."""
+    if noise_scale is not None and not isinstance(noise_scale, bool):
+        raise TypeError(
+            "`noise_scale` must be None, True or False. "
+            f"Received: noise_scale={noise_scale!r}"
+        )
+    if noise_scale is True and always_one:
+        raise ValueError(
+            "The noise scale compares gradients at two batch sizes, the "
+            "micro-batch and the window: it needs `accumulation_steps` >= 2. "
+            "Received: noise_scale=True with accumulation_steps="
+            f"{accumulation_steps!r}. Pass noise_scale=False, or accumulate."
+        )
+    return noise_scale
+
+
+def check_scalars(scalars, log_dir):
+    if not isinstance(scalars, bool):
+        raise TypeError(f"`scalars` must be True or False. Received: scalars={scalars!r}")
+    if scalars and log_dir is None:
+        raise ValueError(
+            "`scalars=True` writes to `log_dir`: pass a `log_dir` too. Received: log_dir=None"
+        )
+    return scalars
+
+
+def check_write_interval(write_interval):
+    if (
+        isinstance(write_interval, bool)
+        or not isinstance(write_interval, numbers.Real)
+        or not write_interval > 0
+        or write_interval == float("inf")
+    ):
+        raise ValueError(
+            "`write_interval` must be a number of seconds > 0. "
+            f"Received: write_interval={write_interval!r}"
+        )
+    return float(write_interval)

@@ -1,0 +1,277 @@
+"""One device or several replicas, chosen once when a hook is made.
+
+Everything that differs between the two lives here: where variables are made
+while a step traces, which replica feeds the observers, where a window ends
+(`tf.cond` in the step, or `merge_call` to the cross-replica context), how its
+counts are reduced, when the totals are counted, and when a dynamic loss
+scale is lowered after a non-finite micro-batch. The window state and the
+hook hold no replica branch.
+"""
+
+import tensorflow as tf
+
+from tfaccum import _keras
+from tfaccum.observers import Update
+
+
+def for_model(model, state, applier, observers, *, skip_nonfinite):
+    """`OneDevice` or `Replicas`, for `model`'s strategy."""
+    cls = Replicas if model.distribute_strategy.num_replicas_in_sync > 1 else OneDevice
+    return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite)
+
+
+class OneDevice:
+    """One replica: the window ends inside the step, with a `tf.cond`.
+
+    Args:
+        model: The compiled model.
+        state: Its `WindowState`.
+        applier: `applier(grads, variables, reduced)` applies gradients through
+            the optimizer's own method.
+        observers: The hook's `WindowObserver`s.
+        skip_nonfinite: Whether non-finite micro-batches are left out.
+    """
+
+    replicas = 1
+    # Whether the hook's totals (samples, items, left-out micro-batches) are
+    # counted as a micro-batch is added; else from the reduced window.
+    totals_per_micro_batch = True
+
+    def __init__(self, model, state, applier, observers, *, skip_nonfinite):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.state = state
+        self.applier = applier
+        self.observers = observers
+        self.skip_nonfinite = skip_nonfinite
+        self._optimizer = model.optimizer
+        self._api = _keras.api_for(model)
+
+    # -- while a step traces ----------------------------------------------------------
+
+    def prepare(self):
+        """At installation: nothing to make ahead on one device."""
+
+    def check(self, micro):
+        """Raises if `micro` cannot be accumulated here (never on one device)."""
+
+    def create(self, make):
+        """Makes variables while a step traces."""
+        make()
+
+    def observers_here(self):
+        """The observers this replica feeds."""
+        return self.observers
+
+    def leave_out(self):
+        """A micro-batch was left out: lower a dynamic loss scale now, as Keras does."""
+        self._lower_loss_scale(rescale=True)
+
+    def after_micro_step(self):
+        """Ends the window if it is full (inside the step)."""
+        applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
+        _keras.keep_as_function_call(applied)
+
+    # -- ending a window --------------------------------------------------------------
+
+    def end_window(self, window=None, **extra_counts):
+        """Applies the window if any micro-batch in it counts, then resets it."""
+        window = self.state.local()
+        contributing = window["window_micro_batches"] - window["window_nonfinite"]
+        return tf.cond(contributing > 0,
+                       lambda: self.apply_window(window, **extra_counts),
+                       lambda: self._skip(window))
+
+    def _skip(self, window):
+        self._api.count_skipped_update(self._optimizer)
+        self._reset(window, window)
+        return tf.constant(False)
+
+    def apply_window(self, window, **extra_counts):
+        """Applies the normalised window through the optimizer, then resets.
+
+        With several replicas this runs on each, `window` holding the counts
+        of all of them; `local` is this replica's.
+        """
+        local = self.state.local()
+        counts = self.state.counts.read()  # this replica's totals, before the update
+        if self.replicas > 1:  # what the reduced window adds to the totals
+            counts = dict(counts, nonfinite_skips=counts["nonfinite_skips"]
+                          + window["window_nonfinite"])
+        grads = self.state.gradients(window, local)
+        variables = self.state.variables
+        gradient_scale = self._api.loss_scale(self._optimizer)  # before the update
+        reduced = self.replicas > 1
+        if reduced:
+            # Applied as on one device: the optimizer receives (and clips)
+            # the window's gradient summed over replicas.
+            grads = _keras.all_reduce_sum(grads)
+        self.applier(grads, variables, reduced)
+        update = Update(
+            grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
+            counts=counts, iterations=_keras.iterations(self._optimizer),
+            mean_divisor=self.state.mean_divisor(window),
+            loss=self.state.loss(window) if self.state.loss_seen else None,
+            name_prefix=self.model.name + "/")
+        for observer in self.observers_here():
+            observer.on_apply(update)
+        self._reset(local, window, optimizer_steps=1, **extra_counts)
+        return tf.constant(True)
+
+    def _reset(self, local, window, **extra_counts):
+        self.state.reset(local, window, **extra_counts)
+        for observer in self.observers_here():
+            observer.on_reset()
+
+    def _lower_loss_scale(self, rescale):
+        """Lowers a dynamic loss scale after a non-finite micro-batch, as Keras does."""
+        if not _keras.scales_loss_dynamically(self._optimizer):
+            return tf.constant(False)
+        factor = self._api.lower_loss_scale(self._optimizer)
+        if rescale and factor is not None:
+            # What the window holds was scaled by the old scale: rescale it.
+            self.state.scale(factor)
+        return tf.constant(True)
+
+    # -- host-triggered window ends (traced in their own functions) ---------------------
+
+    def flush_graph(self):
+        window = self.state.reduced()
+        tf.cond(window["window_micro_batches"] > 0,
+                lambda: self.end_window(window, flushes=1), lambda: tf.constant(False))
+        return window["window_micro_batches"], window["window_samples"]
+
+    def drop_graph(self):
+        window = self.state.reduced()
+        _keras.for_each_replica(self.strategy, self._drop_on_replica, args=(window,))
+        return window["window_micro_batches"], window["window_samples"]
+
+    def _drop_on_replica(self, window):
+        local = self.state.local()
+        self._reset(local, window, dropped_micro_steps=local["window_micro_batches"])
+
+    def pending_graph(self):
+        window = self.state.reduced()
+        return window["window_micro_batches"], window["window_samples"]
+
+
+class Replicas(OneDevice):
+    """Several replicas (one machine or several): the window ends in the cross-replica context.
+
+    Keras' optimizer calls `merge_call`, which a `tf.cond` in a replica
+    context cannot hold (keras-team/keras#20582): a full window is decided in
+    the cross-replica context, as `LossScaleOptimizer` does. Accumulators are
+    made when the hook is installed (variables cannot be made in a replica's
+    step); observers are fed by each machine's first replica; the totals are
+    counted from the reduced window; a replica that left out its share keeps
+    the loss scale until the window's end, where it is lowered once, alike
+    on every replica.
+    """
+
+    totals_per_micro_batch = False
+
+    def __init__(self, model, state, applier, observers, *, skip_nonfinite):
+        super().__init__(model, state, applier, observers, skip_nonfinite=skip_nonfinite)
+        self.replicas = self.strategy.num_replicas_in_sync
+        reduction = state.reduction
+        if skip_nonfinite and reduction.per_micro_batch:
+            raise ValueError(
+                "skip_nonfinite (and mixed precision) with several replicas "
+                "leaves out one replica's share of a micro-batch, which "
+                f"reduction={reduction!r} (every micro-batch weighs the same) cannot "
+                "weigh. Received: reduction="
+                f"{reduction!r} with skip_nonfinite={skip_nonfinite} under "
+                f"{type(self.strategy).__name__} with {self.replicas} replicas. "
+                "Use reduction='auto' or 'samples'."
+            )
+
+    def prepare(self):
+        if self.model.built:
+            self.state.accumulators.create_dense(self.model.trainable_variables)
+
+    def check(self, micro):
+        if tf.executing_eagerly():
+            return
+        for grad, variable in zip(micro.grads, micro.variables):
+            if grad is not None and not self.state.accumulators.has_accumulator(variable):
+                raise ValueError(
+                    f"Variable {variable.name!r} received a gradient but "
+                    "is not among the model's trainable variables. With "
+                    "several replicas, accumulators are made when the hook "
+                    "is installed, from `model.trainable_variables`."
+                )
+
+    def create(self, make):
+        tf.distribute.get_replica_context().merge_call(make)
+
+    def observers_here(self):
+        """The observers this replica feeds (at trace time).
+
+        Those that watch the window as a whole are fed by this machine's
+        first replica only: its micro-batches, and the window reduced over
+        every replica. Nothing crosses devices for them.
+        """
+        context = tf.distribute.get_replica_context()
+        if context is None:  # cross-replica (a flush, a drop): every observer
+            return self.observers
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+        if replica is None and not all(o.per_replica for o in self.observers):
+            raise ValueError(
+                f"{type(self.strategy).__name__} does not say which replica a "
+                "step runs on while it traces; the summaries (log_dir) and the "
+                "noise scale need it. Received: observers "
+                f"{[type(o).__name__ for o in self.observers]}. Turn them off "
+                "(log_dir=None, noise_scale=False) under this strategy."
+            )
+        local_replicas = len(self.strategy.extended.worker_devices)
+        first = replica is not None and replica % local_replicas == 0
+        return [o for o in self.observers if first or o.per_replica]
+
+    def leave_out(self):
+        """The loss scale is lowered at the window's end, alike on every replica."""
+
+    def after_micro_step(self):
+        # Every replica, on every worker, holds the same position in the
+        # window: read this worker's own; counts are reduced only when the
+        # window is applied.
+        def decide(strategy):
+            return tf.cond(self.state.is_full(),
+                           lambda: self.end_window(self.state.reduced()),
+                           lambda: tf.constant(False))
+
+        tf.distribute.get_replica_context().merge_call(decide)
+
+    def end_window(self, window=None, **extra_counts):
+        """Ends the window on every replica, from its reduced counts (cross-replica).
+
+        A replica that left its share of a micro-batch out (non-finite) kept
+        the loss scale: the window's gradients were all scaled alike. It is
+        lowered once here, after the update, if any share was left out.
+        """
+        applied = tf.cond(
+            window["window_samples"] > 0,
+            lambda: self._apply_on_replicas(window, **extra_counts),
+            lambda: self._skip_on_replicas(window),
+        )
+        if self.skip_nonfinite and _keras.scales_loss_dynamically(self._optimizer):
+            lowered = tf.cond(window["window_nonfinite"] > 0,
+                              lambda: self._lower_loss_scale(rescale=False),
+                              lambda: tf.constant(False))
+            with tf.control_dependencies([applied, lowered]):
+                applied = tf.identity(applied)
+        return applied
+
+    def _apply_on_replicas(self, window, **extra_counts):
+        with self._api.own_reduction_off(self._optimizer):
+            _keras.for_each_replica(self.strategy, self.apply_window,
+                                    kwargs=dict(window=window, **extra_counts))
+        return tf.constant(True)
+
+    def _skip_on_replicas(self, window):
+        """Every share of every micro-batch was left out: no update."""
+        self._api.count_skipped_update(self._optimizer)
+        _keras.for_each_replica(self.strategy, self._skip_on_replica, args=(window,))
+        return tf.constant(False)
+
+    def _skip_on_replica(self, window):
+        self._reset(self.state.local(), window)
