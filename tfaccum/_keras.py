@@ -503,6 +503,34 @@ def compiled_losses_of(container):
     return None
 
 
+def may_hold_several_losses(model):
+    """Whether `model`'s compiled loss may hold two or more per-output losses.
+
+    Read from the built container where it is built, else from what
+    `compile` received: several losses, or one loss (which tf_keras, and
+    Keras 3 for some structures, repeat per output) on a model whose outputs
+    are several or not known yet. Private: `CompileLoss._user_loss` (Keras
+    3.7-3.15), `LossesContainer._user_losses` (tf_keras 2.16-2.21).
+    """
+    container = compiled_loss_container(model)
+    if container is None:
+        return False
+    built = compiled_losses_of(container)
+    if built is not None:
+        return len(built) >= 2
+    user = getattr(container, "_user_loss", getattr(container, "_user_losses", None))
+    losses = [loss for loss in tf.nest.flatten(user) if loss is not None]
+    if len(losses) >= 2:
+        return True
+    if not losses or tf.nest.is_nested(user):
+        return False
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    return outputs is None or len(tf.nest.flatten(outputs)) >= 2
+
+
 def wrapped_losses_patch(container, wrap):
     """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss, weight)`.
 
