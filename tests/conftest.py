@@ -41,3 +41,8 @@ def pytest_configure(config):
         "markers",
         "keras3: exercises what only Keras 3 has (deselected in the tf_keras run)",
     )
+    config.addinivalue_line(
+        "markers",
+        "once: version-independent, run on Keras 3 only; the tf_keras run re-checks "
+        "the core cases beside it (deselected there to keep the suite's time)",
+    )

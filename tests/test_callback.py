@@ -258,7 +258,7 @@ def test_repr_and_config():
     assert repr(callback) == ("GradientAccumulationCallback(accumulation_steps={0: 8, 5: 4}, "
                               "reduction='auto', leftover='carry', verbose=0, skip_nonfinite=None, "
                               "noise_scale=None, log_dir=None, scalars=False, write_interval=30.0, "
-                              "sparse_gradients='rows')")
+                              "sparse_gradients='rows', accumulator_dtype='float32')")
     assert GradientAccumulationCallback(**callback.get_config()).get_config() == callback.get_config()
 
 

@@ -84,6 +84,7 @@ def test_mirrored_with_sample_weight():
 
 
 @pytest.mark.parametrize("observed", [False, True], ids=["plain", "log_dir-and-noise-scale"])
+@pytest.mark.once
 def test_gradients_are_all_reduced_once_per_update(observed, tmp_path):
     # The dashboard and the noise scale add no reduction: they read the
     # first replica's micro-batches and the window the update reduces anyway.
@@ -180,6 +181,7 @@ def test_clipping_applies_to_the_all_reduced_window(clipping):
     assert max_weight_diff(reference, unclipped) > 1e-2  # the clipping is active
 
 
+@pytest.mark.once
 def test_dashboard_series_are_those_of_the_global_window(tmp_path):
     # The same windows on one device (micro-batch 8, 4 per window) and on two
     # replicas (4 samples each per micro-batch): the same updates, written once.
@@ -216,6 +218,7 @@ def test_dashboard_series_are_those_of_the_global_window(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.once
 def test_noise_scale_agrees_with_per_example_gradients(seed):
     """As on one device (test_noise_scale): within 35% of the exact value.
 

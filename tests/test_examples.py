@@ -96,3 +96,19 @@ def test_distributed_benchmark_counts_reductions():
                     "tfaccum mixed_float16 + log_dir + noise_scale": "4",
                     "micro": "32", "micro mixed_float16": "32", "large": "4"}
     assert keras_row is not None or "keras: fails under MirroredStrategy" in out
+
+
+def test_every_benchmark_table_has_its_place_in_the_readme():
+    """`make benchmarks` writes each table between its README markers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.pop(0)
+    readme = (ROOT / "README.md").read_text()
+    marked = [m["name"] for m in run_all.MARKER.finditer(readme)]
+    assert sorted(marked) == sorted(run_all.TABLES)
+    for arguments, _ in run_all.TABLES.values():
+        assert (ROOT / "benchmarks" / arguments[0]).is_file(), arguments
+    printed = "a line\n| a | b |\n|---|---|\n| 1 | 2 |\n\n(5 s)\n| c |\n|---|\n"
+    assert run_all.tables_of(printed) == ["| a | b |\n|---|---|\n| 1 | 2 |", "| c |\n|---|"]

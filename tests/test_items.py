@@ -91,6 +91,7 @@ def test_ignore_class():
     assert results["auto"] < TOL and results["samples"] > 1e-3
 
 
+@pytest.mark.once
 def test_masking_layer():
     tokens, labels, _, _ = sequences()
     one_hot = np.eye(VOCAB, dtype="float32")[tokens] * (tokens > 0)[..., None]
@@ -98,6 +99,7 @@ def test_masking_layer():
     assert results["auto"] < TOL and results["samples"] > 1e-3
 
 
+@pytest.mark.once
 def test_mask_with_sample_weight():
     tokens, labels, _, _ = sequences()
     # Per-token weights (Keras takes [samples, tokens] weights for sequences).
@@ -106,6 +108,7 @@ def test_mask_with_sample_weight():
     assert results["auto"] < TOL and results["samples"] > 1e-3
 
 
+@pytest.mark.once
 def test_mask_and_ignore_class_together_with_per_token_weights():
     tokens, _, ignored, padding = sequences()
     ignored[:, 0] = np.where(np.arange(N) % 3 == 0, -100, ignored[:, 0])  # more ignored
@@ -115,6 +118,7 @@ def test_mask_and_ignore_class_together_with_per_token_weights():
     assert results["auto"] < TOL and results["samples"] > 1e-3
 
 
+@pytest.mark.once
 def test_jit_compile():
     # SGD with momentum: under XLA the embedding's window is dense (sparse
     # rows need varying shapes), which Adam would apply differently.
@@ -215,6 +219,7 @@ def test_several_differently_masked_outputs_step_for_step(optimizer):
     assert results["auto-callback"].optimizer_steps == 8
 
 
+@pytest.mark.once
 def test_mirrored_replicas_with_different_token_counts():
     from reference import mirrored
 
@@ -231,6 +236,7 @@ def test_mirrored_replicas_with_different_token_counts():
     assert pair.diff < TOL
 
 
+@pytest.mark.once
 def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
     # Each output's accumulator per replica; each output's total over both
     # replicas at the window's end (with the counts, no extra collective).
@@ -291,6 +297,7 @@ def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
         assert values(series, "window_items") == tokens_per_window
 
 
+@pytest.mark.once
 def test_mask_with_class_weight():
     """A masked sequence classifier (the mask stops at the pooling) with class_weight."""
     tokens, labels, _, _ = sequences()
@@ -375,6 +382,7 @@ def fit_counted(count, twice=False):
     return model
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("count, message", [
     (lambda n: n - 1000.0, "a count >= 0"),
     (lambda n: n + 0.5, "a whole number"),

@@ -143,6 +143,7 @@ def test_carry_and_drop_events(tmp_path):
             assert steps(series, "leftover/policy") == [3, 6]
 
 
+@pytest.mark.once
 def test_jit_compile_writes_the_same(tmp_path):
     x, y = make_data()
     runs = {}

@@ -24,6 +24,7 @@ _OPTIONS = {
     "scalars": "scalars",
     "write_interval": "write_interval",
     "sparse_gradients": "sparse_gradients",
+    "accumulator_dtype": "accumulator_dtype",
 }
 
 
@@ -104,6 +105,13 @@ class GradientAccumulationCallback(_keras.Callback):
             into a dense accumulator and applied densely; memory: the whole
             variable. Defaults to `"rows"` (`"dense"`, with a warning, under
             `jit_compile=True` and with several replicas).
+        accumulator_dtype: `"float32"` (the default) or `"bfloat16"`: the
+            dense accumulators hold half as much between steps (the step's
+            peak is not lower yet: README, "Memory"); each micro-step is
+            summed in float32 and rounded stochastically, so the window's sum
+            is the float32 sum on average (README: "Reduced-precision
+            accumulators" says how far it strays). Sparse rows stay float32.
+            Refused under a strategy with several replicas.
 
     Attributes (integers counted over the last `fit`):
         micro_steps: Micro-batches trained on.
@@ -139,6 +147,7 @@ class GradientAccumulationCallback(_keras.Callback):
         scalars=False,
         write_interval=30.0,
         sparse_gradients="rows",
+        accumulator_dtype="float32",
         **kwargs,
     ):
         checks.reject_unknown(kwargs, list(_OPTIONS))
@@ -156,6 +165,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self.scalars = checks.check_scalars(scalars, log_dir)
         self.write_interval = checks.check_write_interval(write_interval)
         self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
+        self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
         self.summaries = None  # created at the first fit with a log_dir
         self._scope = FitScope(end_fit=self._end_fit)
         self._epoch_open = False
@@ -277,7 +287,8 @@ class GradientAccumulationCallback(_keras.Callback):
         if accumulating_layers(model):
             observers.append("BatchNormWindows")
         return dict(reduction=reductions.get(self.reduction), skip_nonfinite=self.skip_nonfinite,
-                    sparse_gradients=self.sparse_gradients, observers=tuple(observers))
+                    sparse_gradients=self.sparse_gradients,
+                    accumulator_dtype=self.accumulator_dtype, observers=tuple(observers))
 
     def _wants_noise_scale(self):
         if self.noise_scale_option is not None:
@@ -317,6 +328,7 @@ class GradientAccumulationCallback(_keras.Callback):
             reduction=self.reduction,
             skip_nonfinite=self.skip_nonfinite,
             sparse_gradients=self.sparse_gradients,
+            accumulator_dtype=self.accumulator_dtype,
             observers=observers,
         )
 

@@ -14,6 +14,7 @@ from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
 
 REDUCTIONS = ("auto", "samples", "mean", "sum")
 SPARSE_GRADIENTS = ("rows", "dense")
+ACCUMULATOR_DTYPES = ("float32", "bfloat16")
 # The window length lives in an int64 variable.
 MAX_STEPS = 2**63 - 1
 
@@ -91,6 +92,23 @@ def check_reduction(reduction):
 
 def check_sparse_gradients(sparse_gradients):
     return _check_choice("sparse_gradients", sparse_gradients, SPARSE_GRADIENTS)
+
+
+def check_accumulator_dtype(accumulator_dtype):
+    return _check_choice("accumulator_dtype", accumulator_dtype, ACCUMULATOR_DTYPES)
+
+
+def check_accumulator_dtype_meets(accumulator_dtype, strategy):
+    """Refuses bfloat16 accumulators with several replicas (their sum would be bfloat16)."""
+    replicas = strategy.num_replicas_in_sync
+    if accumulator_dtype != "float32" and replicas > 1:
+        raise ValueError(
+            f"`accumulator_dtype={accumulator_dtype!r}` is not supported with several "
+            f"replicas (this model's strategy has {replicas}): the replicas' windows "
+            f"would be summed in {accumulator_dtype}, losing what the stochastic "
+            "rounding keeps. Use accumulator_dtype=\"float32\" under a distribution "
+            "strategy."
+        )
 
 
 def _check_choice(name, value, choices, alternative=None):

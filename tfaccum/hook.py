@@ -80,6 +80,12 @@ class AccumulationHook:
             whole variable) and the optimizer receives a dense gradient.
             Under `jit_compile=True` rows cannot be kept (XLA needs fixed
             shapes) and `"dense"` is used, with a warning.
+        accumulator_dtype: `"float32"` (the default; float64 variables keep
+            float64) or `"bfloat16"`: dense accumulators of half the size
+            (not yet a lower peak: README, "Memory"),
+            each micro-step summed in float32 and rounded stochastically
+            (see `tfaccum.precision`). Rows (`sparse_gradients="rows"`) stay
+            float32. Refused with several replicas.
         observers: `WindowObserver`s told of every micro-step, update and
             reset (e.g. `AccumulationSummaries`, `NoiseScaleEstimator`, and
             `moments.window_observers(model, strategy)` for the model's
@@ -105,13 +111,15 @@ class AccumulationHook:
     """
 
     def __init__(self, model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                 sparse_gradients="rows", observers=()):
+                 sparse_gradients="rows", accumulator_dtype="float32", observers=()):
         api = _keras.api_for_model_argument(model, "model")
         checks.check_compiled(model, api, installed_on(model))
         optimizer = model.optimizer
         self.model = model
         self.reduction = reductions.get(checks.check_reduction(reduction))
         self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
+        self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
+        checks.check_accumulator_dtype_meets(accumulator_dtype, model.distribute_strategy)
         self.skip_nonfinite = checks.check_skip_nonfinite(skip_nonfinite)
         if skip_nonfinite is None:
             self.skip_nonfinite = _keras.scales_loss_dynamically(optimizer)
@@ -119,13 +127,14 @@ class AccumulationHook:
         self.observers = list(observers)
         self.configuration = dict(
             reduction=self.reduction, skip_nonfinite=skip_nonfinite,
-            sparse_gradients=sparse_gradients,
+            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
             observers=tuple(type(o).__name__ for o in self.observers))
         strategy = model.distribute_strategy
         loss_share = _keras.replica_loss_share(model)
         self.state = WindowState(
             strategy, self.reduction, loss_share=loss_share,
-            sparse_rows=sparse_gradients == "rows" and not model.jit_compile)
+            sparse_rows=sparse_gradients == "rows" and not model.jit_compile,
+            dtype=None if accumulator_dtype == "float32" else tf.bfloat16)
         self.counts = self.state.counts
         self.window = self.state.accumulators
         self._tracer = StepTracer(
@@ -402,7 +411,7 @@ def _all_finite(grads):
 
 
 def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                              sparse_gradients="rows"):
+                              sparse_gradients="rows", accumulator_dtype="float32"):
     """Installs gradient accumulation on a compiled model and returns the hook.
 
     See `AccumulationHook` for the arguments; `hook.remove()` undoes it. The
@@ -420,6 +429,7 @@ def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", sk
     return AccumulationHook(
         model, accumulation_steps=accumulation_steps, reduction=reduction,
         skip_nonfinite=skip_nonfinite, sparse_gradients=sparse_gradients,
+        accumulator_dtype=accumulator_dtype,
         observers=window_observers(model, model.distribute_strategy))
 
 

@@ -12,6 +12,7 @@ import warnings
 
 import tensorflow as tf
 
+from tfaccum import precision
 from tfaccum import reduction as _reduction
 from tfaccum.observers import MicroStep
 
@@ -126,16 +127,21 @@ class Counts:
 class _DenseAccumulator:
     """Sums gradients into a tensor of the variable's shape."""
 
-    def __init__(self, variable, synchronization, aggregation):
+    def __init__(self, variable, synchronization, aggregation, dtype=None):
         self.variable = tf.Variable(
-            tf.zeros(variable.shape, _accumulator_dtype(variable)),
+            tf.zeros(variable.shape, dtype or _accumulator_dtype(variable)),
             trainable=False,
             name="accumulated_gradient",
             synchronization=synchronization,
             aggregation=aggregation,
         )
+        self._reduced = (precision.BFloat16Sum(self.variable)
+                         if self.variable.dtype == tf.bfloat16 else None)
 
     def add(self, grad, weight):
+        if self._reduced is not None:
+            self._reduced.add(grad, weight)
+            return
         dtype = self.variable.dtype
         if isinstance(grad, tf.IndexedSlices):
             values = tf.cast(grad.values, dtype)
@@ -157,13 +163,31 @@ class _DenseAccumulator:
             self.variable.assign_add(tf.cast(grad, dtype))
 
     def read(self):
+        if self._reduced is not None:
+            return self._reduced.read()
         return self.variable.read_value()
 
     def scale(self, factor):
+        if self._reduced is not None:
+            self._reduced.scale(factor)
+            return
         self.variable.assign(self.variable * tf.cast(factor, self.variable.dtype))
 
     def reset(self):
-        self.variable.assign(tf.zeros_like(self.variable))
+        # Zeros made from the shape, not `zeros_like(variable)`: reading the
+        # variable for it kept half a parameter copy more alive at the peak
+        # (benchmarks/memory.py: 1.56 -> 1.07 parameter bytes).
+        self.variable.assign(tf.zeros(self.variable.shape, self.variable.dtype))
+
+    def forget(self):
+        """Empties the accumulator where that is rare (inside a `tf.cond`).
+
+        Subtracting what it holds, in place: zeros made inside the branch
+        were allocated on every step, taken or not (1.0 parameter bytes of
+        peak memory for the `cond` of `WindowState._forget_uncounted`). A
+        non-finite sum stays non-finite.
+        """
+        self.variable.assign_sub(self.variable.read_value())
 
     def nbytes(self):
         return _nbytes(self.variable)
@@ -226,6 +250,8 @@ class _RowAccumulator:
         self.indices.assign(tf.zeros((0,), tf.int64))
         self.values.assign(tf.zeros_like(self.values[:0]))
 
+    forget = reset  # the rows are the window's only
+
     def nbytes(self):
         return _nbytes(self.indices) + _nbytes(self.values)
 
@@ -240,11 +266,16 @@ class AccumulationWindow:
             the optimizer receives the window's rows as one `IndexedSlices`
             (as the large batch gives it). `False` scatter-adds them into a
             dense accumulator and hands the optimizer a dense gradient.
+        dtype: The dense accumulators' dtype: `None` for the variable's
+            (float32; float64 for float64), or `tf.bfloat16` (summed in
+            float32 each micro-step and rounded stochastically,
+            `precision.BFloat16Sum`). Row accumulators stay float32.
     """
 
-    def __init__(self, strategy, *, sparse_rows=True):
+    def __init__(self, strategy, *, sparse_rows=True, dtype=None):
         self.strategy = strategy
         self.sparse_rows = sparse_rows
+        self.dtype = dtype
         self.counts = Counts(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
         with tf.init_scope(), strategy.scope():
@@ -295,9 +326,12 @@ class AccumulationWindow:
         rows = sparse and self.sparse_rows
         accumulator = self._accumulators.get(key)
         if accumulator is None:
-            cls = _RowAccumulator if rows else _DenseAccumulator
             with tf.init_scope(), self.strategy.scope():
-                accumulator = cls(variable, *self._variable_options)
+                if rows:  # rows stay float32: they hold only the window's looked-up rows
+                    accumulator = _RowAccumulator(variable, *self._variable_options)
+                else:
+                    accumulator = _DenseAccumulator(variable, *self._variable_options,
+                                                    dtype=self.dtype)
             self._accumulators[key] = accumulator
         return accumulator
 
@@ -324,6 +358,11 @@ class AccumulationWindow:
         """Empties the accumulators only (counts and losses stay)."""
         for accumulator in self._accumulators.values():
             accumulator.reset()
+
+    def forget_gradients(self):
+        """`clear_gradients()` for a rarely taken branch of the step (see `forget`)."""
+        for accumulator in self._accumulators.values():
+            accumulator.forget()
 
     def gradients(self, denominator=None):
         """The window's gradients for `self.variables`, divided by `denominator`.
@@ -387,10 +426,12 @@ class OutputChannels:
             `_keras.replica_loss_share`).
     """
 
-    def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0):
+    def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0,
+                 dtype=None):
         self.names = list(names)
         self.weights = [1.0 if w is None else float(w) for w in weights]
-        self.windows = [AccumulationWindow(strategy, sparse_rows=sparse_rows) for _ in names]
+        self.windows = [AccumulationWindow(strategy, sparse_rows=sparse_rows, dtype=dtype)
+                        for _ in names]
         self._loss_share = loss_share
 
     def track(self, grads_per_output, variables):
@@ -492,12 +533,13 @@ class WindowState:
         reduction: A `Reduction`.
         sparse_rows: Keep sparse gradients as rows (see `AccumulationWindow`).
         loss_share: What Keras multiplies each replica's loss by.
+        dtype: The dense accumulators' dtype (see `AccumulationWindow`).
     """
 
-    def __init__(self, strategy, reduction, *, sparse_rows, loss_share):
+    def __init__(self, strategy, reduction, *, sparse_rows, loss_share, dtype=None):
         self.strategy = strategy
         self.reduction = reduction
-        self.accumulators = AccumulationWindow(strategy, sparse_rows=sparse_rows)
+        self.accumulators = AccumulationWindow(strategy, sparse_rows=sparse_rows, dtype=dtype)
         self.counts = self.accumulators.counts
         self.channels = None
         self._loss_share = loss_share
@@ -541,7 +583,8 @@ class WindowState:
                     return
                 channels = OutputChannels(
                     self.strategy, names, [output.loss_weight for output in micro.outputs],
-                    sparse_rows=self.accumulators.sparse_rows, loss_share=self._loss_share)
+                    sparse_rows=self.accumulators.sparse_rows, loss_share=self._loss_share,
+                    dtype=self.accumulators.dtype)
                 if strategy is not None:  # cross-replica: dense, as the main window's
                     for window in channels.windows:
                         window.create_dense([v for v in micro.variables
@@ -613,7 +656,7 @@ class WindowState:
         uncounted = tf.logical_and(counts["window_items"] <= 0, counts["window_samples"] > 0)
 
         def forget():
-            self.accumulators.clear_gradients()
+            self.accumulators.forget_gradients()
             return tf.constant(True)
 
         tf.cond(tf.logical_and(uncounted, items > 0), forget, lambda: tf.constant(False))

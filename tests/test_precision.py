@@ -1,0 +1,178 @@
+"""bfloat16 accumulators: half the memory, the float32 sum on average.
+
+How far they stray over hundreds of updates of a real model is measured
+by benchmarks/precision.py (README: "Reduced-precision accumulators");
+here: the rounding is unbiased, the accumulators are bfloat16, training
+stays close to float32 accumulation where round-to-nearest drifts, and
+what cannot meet is refused by name.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference as oracle
+from reference import keras
+from reference import max_diff
+
+import tfaccum
+from tfaccum import GradientAccumulationCallback
+from tfaccum import precision
+
+
+def test_stochastic_rounding_is_unbiased_and_keeps_what_bfloat16_holds():
+    tf.random.set_seed(0)
+    between = 1.0 + 2.0**-10  # a quarter of the way from 1 to the next bfloat16 (1 + 2**-7)
+    rounded = tf.cast(precision.stochastic_round(tf.fill([200_000], between)), tf.float32)
+    assert set(np.unique(rounded.numpy())) == {1.0, 1.0 + 2.0**-7}
+    assert abs(float(tf.reduce_mean(rounded)) - between) < 2e-5
+    negative = tf.cast(precision.stochastic_round(tf.fill([200_000], -between)), tf.float32)
+    assert abs(float(tf.reduce_mean(negative)) + between) < 2e-5
+    exact = tf.constant([0.0, -0.0, 1.0, -2.5, 2.0**127, float(tf.bfloat16.max), float("inf"), -float("inf")])
+    assert np.array_equal(tf.cast(precision.stochastic_round(exact), tf.float32).numpy(),
+                          exact.numpy())
+    assert np.isnan(precision.stochastic_round(tf.constant([float("nan")])).numpy()[0])
+
+
+def test_a_long_window_of_small_gradients_keeps_their_sum():
+    """Adding 1e-3 a thousand times to 1: nearest rounding loses every one."""
+    variable = tf.Variable(tf.ones([4096], tf.bfloat16))
+    sums = precision.BFloat16Sum(variable)
+    tf.random.set_seed(1)
+    for _ in range(1000):
+        sums.add(tf.fill([4096], 1e-3), None)
+    mean = float(tf.reduce_mean(sums.read()))
+    assert abs(mean - 2.0) < 0.01, mean
+    nearest = tf.ones([4096], tf.bfloat16)
+    for _ in range(1000):
+        nearest = tf.cast(tf.cast(nearest, tf.float32) + 1e-3, tf.bfloat16)
+    assert float(tf.reduce_mean(tf.cast(nearest, tf.float32))) == 1.0
+
+
+def build(seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def fit(accumulator_dtype, steps=16, **compile_kwargs):
+    x, y = oracle.make_data(256, features=8)
+    model = build()
+    if compile_kwargs:
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", **compile_kwargs)
+    callback = GradientAccumulationCallback(accumulation_steps=steps,
+                                            accumulator_dtype=accumulator_dtype)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    return model, callback
+
+
+@pytest.mark.keras3
+def test_bfloat16_accumulators_hold_half_and_train_close_to_float32():
+    tf.random.set_seed(0)
+    full, full_callback = fit("float32")
+    half, half_callback = fit("bfloat16")
+    assert half_callback.hook.window.nbytes() * 2 == full_callback.hook.window.nbytes()
+    assert half_callback.optimizer_steps == full_callback.optimizer_steps == 8
+    diff = max_diff(half.get_weights(), full.get_weights())
+    assert 0 < diff < 1e-3, diff
+
+
+@pytest.mark.keras3
+@pytest.mark.parametrize("compile_kwargs", [dict(jit_compile=True), dict(steps_per_execution=3)],
+                         ids=["jit_compile", "steps_per_execution"])
+def test_bfloat16_in_compiled_steps(compile_kwargs):
+    tf.random.set_seed(0)
+    full, _ = fit("float32")
+    half, callback = fit("bfloat16", **compile_kwargs)
+    assert callback.optimizer_steps == 8
+    assert max_diff(half.get_weights(), full.get_weights()) < 1e-2
+
+
+def test_bfloat16_is_refused_with_several_replicas():
+    with oracle.mirrored().scope():
+        model = build()
+    x, y = oracle.make_data(16, features=8)
+    callback = GradientAccumulationCallback(accumulation_steps=2, accumulator_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"accumulator_dtype='bfloat16'.*several replicas"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback])
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # a plain model again
+
+
+@pytest.mark.parametrize("value", ["float16", "bf16", tf.bfloat16, None, 16])
+def test_bad_accumulator_dtype_is_named(value):
+    with pytest.raises(ValueError, match=r"`accumulator_dtype` must be one of 'float32', "
+                                         r"'bfloat16'\. Received: accumulator_dtype="):
+        GradientAccumulationCallback(accumulation_steps=2, accumulator_dtype=value)
+
+
+def test_the_option_is_in_repr_and_config():
+    callback = GradientAccumulationCallback(accumulation_steps=2, accumulator_dtype="bfloat16")
+    assert "accumulator_dtype='bfloat16'" in repr(callback)
+    assert callback.get_config()["accumulator_dtype"] == "bfloat16"
+
+
+def embedding_model(outputs=1):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(50, 8)(inputs)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    first = keras.layers.Dense(1, name="first")(hidden)
+    if outputs == 1:
+        model = keras.Model(inputs, first)
+        loss = "mse"
+    else:  # a per-token head masked by its own labels: its own channel
+        tokens = keras.layers.Dense(3, name="tokens")(keras.layers.Embedding(
+            50, 4, mask_zero=True)(inputs))
+        model = keras.Model(inputs, {"first": first, "tokens": tokens})
+        loss = {"first": "mse", "tokens": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True)}
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    return model
+
+
+@pytest.mark.keras3
+@pytest.mark.parametrize("case", ["mixed_precision", "rows", "dense", "two_outputs", "log_dir"])
+def test_bfloat16_meets_the_other_options(case, tmp_path, request):
+    if case == "mixed_precision":
+        request.getfixturevalue("mixed_precision")
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50, (96, 6)).astype("int32")
+    tokens[::5, 3:] = 0  # padding the per-token head masks out
+    y = rng.normal(size=(96, 1)).astype("float32")
+    outputs = 2 if case == "two_outputs" else 1
+    if outputs == 2:
+        y = {"first": y, "tokens": rng.integers(0, 3, (96, 6))}
+    options = dict(sparse_gradients="dense" if case == "dense" else "rows")
+    if case == "log_dir":
+        options["log_dir"] = str(tmp_path)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        tf.random.set_seed(0)
+        model = embedding_model(outputs)
+        callback = GradientAccumulationCallback(accumulation_steps=8, accumulator_dtype=dtype,
+                                                **options)
+        model.fit(tokens, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[callback])
+        results[dtype] = (model.get_weights(), callback)
+    (full, full_callback), (half, half_callback) = results["float32"], results["bfloat16"]
+    assert half_callback.optimizer_steps == full_callback.optimizer_steps == 6
+    assert oracle.all_finite(half)
+    assert max_diff(half, full) < 1e-2, case
+    if case == "log_dir":
+        assert list(tmp_path.rglob("*.tfevents.*"))
+
+
+def test_a_large_variable_is_summed_in_slices_of_rows(monkeypatch):
+    monkeypatch.setattr(precision, "CHUNK", 64)  # 40 x 8: slices of 8 rows
+    variable = tf.Variable(tf.ones([40, 8], tf.bfloat16))
+    sums = precision.BFloat16Sum(variable)
+    assert len(sums._slices) == 5
+    grad = (np.arange(320, dtype="float32") % 32).reshape(40, 8) / 4.0  # bfloat16 holds each sum
+    sums.add(tf.constant(grad), 2.0)
+    assert np.array_equal(sums.read().numpy(), 1.0 + 2.0 * grad)
+    sums.scale(0.5)
+    assert np.array_equal(sums.read().numpy(), (1.0 + 2.0 * grad) / 2.0)
+    small = precision.BFloat16Sum(tf.Variable(tf.ones([4, 8], tf.bfloat16)))
+    assert small._slices is None

@@ -1,0 +1,95 @@
+"""Reduced-precision accumulators: bfloat16 windows summed without drift.
+
+A bfloat16 accumulator halves what a window holds (8 bits of mantissa
+instead of 24). Adding each micro-batch by round-to-nearest loses what is
+smaller than half a unit in the last place of the running sum, and the
+loss grows with the window (the later micro-batches are rounded against a
+larger sum). Here each micro-step adds in float32 (the accumulator read,
+plus the micro-batch's gradient) and rounds once, stochastically: up with
+the probability of the remainder, so the stored sum is the float32 sum on
+average (Gupta et al. 2015, "Deep Learning with Limited Numerical
+Precision"). `benchmarks/precision.py` measures both against float32.
+"""
+
+import tensorflow as tf
+
+ACCUMULATOR_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16}
+
+_LOW_BITS = 1 << 16  # the float32 bits a bfloat16 drops
+_HIGH_BITS = -_LOW_BITS  # as an int32 mask: 0xFFFF0000
+
+
+def stochastic_round(x):
+    """Rounds a float32 tensor to bfloat16, up with the probability of the remainder.
+
+    Values bfloat16 holds exactly and infinities are kept; NaN stays NaN.
+    Each element draws its own random bits (an int32 tensor of `x`'s
+    shape: `BFloat16Sum` rounds large variables in slices).
+
+    Example:
+
+    >>> x = tf.fill([100_000], 1.0 + 2.0**-10)  # between two bfloat16 values
+    >>> float(tf.reduce_mean(tf.cast(stochastic_round(x), tf.float32)))  # ~1.000977
+    """
+    x = tf.cast(x, tf.float32)
+    # Drawn once `x` exists: with nothing to wait for, the draws of every
+    # slice ran when the step began and were all alive at once.
+    with tf.control_dependencies([x]):
+        noise = tf.random.uniform(tf.shape(x), 0, _LOW_BITS, dtype=tf.int32)
+    # Adding below the kept bits carries into them with the remainder's
+    # probability; infinities (low bits zero) and NaN stay what they are.
+    bits = tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32) + noise, _HIGH_BITS)
+    # The low bits are zero: the cast is exact.
+    return tf.cast(tf.bitcast(bits, tf.float32), tf.bfloat16)
+
+
+# Elements summed and rounded at once: a variable larger than this is
+# added in slices of rows, so its float32 temporaries stay this small.
+CHUNK = 1 << 20
+
+
+class BFloat16Sum:
+    """What a dense bfloat16 accumulator does: add in float32, round stochastically.
+
+    A large variable is added in slices of rows (`CHUNK` elements each),
+    one after the other: whole, its float32 sum, random bits and rounding
+    would hold 2.5 times its bfloat16 accumulator for a moment, more than
+    the half parameter copy bfloat16 saves.
+
+    Args:
+        variable: The bfloat16 accumulator variable.
+    """
+
+    def __init__(self, variable):
+        self.variable = variable
+        shape = variable.shape
+        rows = shape[0] if shape.rank else 1
+        row_size = max(1, shape.num_elements() // max(rows, 1))
+        step = max(1, CHUNK // row_size)
+        self._slices = ([(start, min(rows, start + step)) for start in range(0, rows, step)]
+                        if shape.rank and rows > step else None)
+
+    def add(self, grad, weight):
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        grad = tf.cast(grad, tf.float32)
+        if weight is not None:
+            grad = grad * tf.cast(weight, tf.float32)
+        if self._slices is None:
+            self.variable.assign(stochastic_round(self.read() + grad))
+            return
+        for start, end in self._slices:
+            part = tf.cast(self.variable[start:end], tf.float32) + grad[start:end]
+            self.variable[start:end].assign(stochastic_round(part))
+
+    def read(self):
+        return tf.cast(self.variable.read_value(), tf.float32)
+
+    def scale(self, factor):
+        factor = tf.cast(factor, tf.float32)
+        if self._slices is None:
+            self.variable.assign(stochastic_round(self.read() * factor))
+            return
+        for start, end in self._slices:
+            part = tf.cast(self.variable[start:end], tf.float32) * factor
+            self.variable[start:end].assign(stochastic_round(part))
