@@ -176,3 +176,11 @@ def test_a_large_variable_is_summed_in_slices_of_rows(monkeypatch):
     assert np.array_equal(sums.read().numpy(), (1.0 + 2.0 * grad) / 2.0)
     small = precision.BFloat16Sum(tf.Variable(tf.ones([4, 8], tf.bfloat16)))
     assert small._slices is None
+
+
+def test_a_scalar_variable_is_summed_whole():
+    variable = tf.Variable(tf.constant(1.0, tf.bfloat16))
+    sums = precision.BFloat16Sum(variable)
+    sums.add(tf.constant(0.75), 2.0)
+    sums.scale(0.5)
+    assert float(sums.read()) == 1.25

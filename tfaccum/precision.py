@@ -66,7 +66,7 @@ class BFloat16Sum:
         rows = shape[0] if shape.rank else 1
         row_size = max(1, shape.num_elements() // max(rows, 1))
         step = max(1, CHUNK // row_size)
-        self._slices = ([(start, min(rows, start + step)) for start in range(0, rows, step)]
+        self._slices = ([slice(start, min(rows, start + step)) for start in range(0, rows, step)]
                         if shape.rank and rows > step else None)
 
     def add(self, grad, weight):
@@ -75,21 +75,20 @@ class BFloat16Sum:
         grad = tf.cast(grad, tf.float32)
         if weight is not None:
             grad = grad * tf.cast(weight, tf.float32)
-        if self._slices is None:
-            self.variable.assign(stochastic_round(self.read() + grad))
-            return
-        for start, end in self._slices:
-            part = tf.cast(self.variable[start:end], tf.float32) + grad[start:end]
-            self.variable[start:end].assign(stochastic_round(part))
+        self._update(lambda held, rows: held + grad[rows])
 
     def read(self):
         return tf.cast(self.variable.read_value(), tf.float32)
 
     def scale(self, factor):
         factor = tf.cast(factor, tf.float32)
-        if self._slices is None:
-            self.variable.assign(stochastic_round(self.read() * factor))
+        self._update(lambda held, rows: held * factor)
+
+    def _update(self, value_of):
+        """Stores `value_of(held, rows)` rounded, a slice of rows at a time."""
+        if self._slices is None:  # small, or a scalar: whole
+            self.variable.assign(stochastic_round(value_of(self.read(), Ellipsis)))
             return
-        for start, end in self._slices:
-            part = tf.cast(self.variable[start:end], tf.float32) * factor
-            self.variable[start:end].assign(stochastic_round(part))
+        for rows in self._slices:
+            held = tf.cast(self.variable[rows], tf.float32)
+            self.variable[rows].assign(stochastic_round(value_of(held, rows)))
