@@ -135,13 +135,8 @@ class _DenseAccumulator:
             synchronization=synchronization,
             aggregation=aggregation,
         )
-        self._reduced = (precision.BFloat16Sum(self.variable)
-                         if self.variable.dtype == tf.bfloat16 else None)
 
     def add(self, grad, weight):
-        if self._reduced is not None:
-            self._reduced.add(grad, weight)
-            return
         dtype = self.variable.dtype
         if isinstance(grad, tf.IndexedSlices):
             values = tf.cast(grad.values, dtype)
@@ -163,14 +158,9 @@ class _DenseAccumulator:
             self.variable.assign_add(tf.cast(grad, dtype))
 
     def read(self):
-        if self._reduced is not None:
-            return self._reduced.read()
         return self.variable.read_value()
 
     def scale(self, factor):
-        if self._reduced is not None:
-            self._reduced.scale(factor)
-            return
         self.variable.assign(self.variable * tf.cast(factor, self.variable.dtype))
 
     def reset(self):
@@ -196,6 +186,23 @@ class _DenseAccumulator:
 def _nbytes(variable):
     """Bytes `variable` holds now (a host read for a variable of varying shape)."""
     return int(tf.size(variable)) * variable.dtype.size
+
+
+class _BFloat16Accumulator(_DenseAccumulator):
+    """A dense accumulator in bfloat16, summed as `precision.BFloat16Sum` does."""
+
+    def __init__(self, variable, synchronization, aggregation, dtype=tf.bfloat16):
+        super().__init__(variable, synchronization, aggregation, dtype=dtype)
+        self._sum = precision.BFloat16Sum(self.variable)
+
+    def add(self, grad, weight):
+        self._sum.add(grad, weight)
+
+    def read(self):
+        return self._sum.read()
+
+    def scale(self, factor):
+        self._sum.scale(factor)
 
 
 class _RowAccumulator:
@@ -330,8 +337,9 @@ class AccumulationWindow:
                 if rows:  # rows stay float32: they hold only the window's looked-up rows
                     accumulator = _RowAccumulator(variable, *self._variable_options)
                 else:
-                    accumulator = _DenseAccumulator(variable, *self._variable_options,
-                                                    dtype=self.dtype)
+                    cls = (_BFloat16Accumulator if self.dtype == tf.bfloat16
+                           else _DenseAccumulator)
+                    accumulator = cls(variable, *self._variable_options, dtype=self.dtype)
             self._accumulators[key] = accumulator
         return accumulator
 
