@@ -10,7 +10,6 @@ to the hook, which adds it to (or leaves it out of) the window state
 optimizer applies it, and the observers see an `Update`.
 """
 
-import collections
 import warnings
 
 import tensorflow as tf
@@ -20,14 +19,13 @@ from tfaccum import checks
 from tfaccum import reduction as reductions
 from tfaccum import replication
 from tfaccum.moments import window_observers
+from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
 from tfaccum.step import StepError
 from tfaccum.step import StepTracer
 from tfaccum.window import WindowState
 
-Window = collections.namedtuple("Window", ["micro_batches", "samples"])
-Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
 
 
 class AccumulationHook:
@@ -308,10 +306,7 @@ class AccumulationHook:
         With several replicas its samples are summed over them: every worker
         must read it (as it must call `flush()` and `drop()`).
         """
-        if self._replication.replicas > 1 and self.state.traced:
-            return self._run("pending", self._replication.pending_graph)
-        counts = self.counts.numpy()
-        return Window(counts["window_micro_batches"], counts["window_samples"])
+        return self._replication.pending(self._run)
 
     def __repr__(self):
         counts = self.counts.numpy()

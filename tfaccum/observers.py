@@ -7,11 +7,15 @@ inside the compiled train step; `on_install` and `on_uninstall` run on the
 host.
 """
 
+import collections
 import dataclasses
 import functools
 
 import tensorflow as tf
 from tfaccum.norms import squared_norm
+
+Window = collections.namedtuple("Window", ["micro_batches", "samples"])
+Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
 
 
 class WindowObserver:

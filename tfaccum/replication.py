@@ -11,7 +11,18 @@ hook hold no replica branch.
 import tensorflow as tf
 
 from tfaccum import _keras
-from tfaccum.observers import Update
+from tfaccum.observers import Update, Window
+
+
+def variable_options(strategy):
+    """`(synchronization, aggregation)` for an accumulator under `strategy`.
+
+    Several replicas keep one per replica, summed when read across them; one
+    device keeps a plain variable.
+    """
+    if strategy.num_replicas_in_sync > 1:
+        return tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM
+    return tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE
 
 
 def for_model(model, state, applier, observers, *, skip_nonfinite):
@@ -94,19 +105,12 @@ class OneDevice:
         of all of them; `local` is this replica's.
         """
         local = self.state.local()
-        counts = self.state.counts.read()  # this replica's totals, before the update
-        if self.replicas > 1:  # what the reduced window adds to the totals
-            counts = dict(counts, nonfinite_skips=counts["nonfinite_skips"]
-                          + window["window_nonfinite"])
-        grads = self.state.gradients(window, local)
+        counts = self._totals_before(window)
+        grads = self._reduce(self.state.gradients(self.denominator(window, local),
+                                                  window.get("channel_items")))
         variables = self.state.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before the update
-        reduced = self.replicas > 1
-        if reduced:
-            # Applied as on one device: the optimizer receives (and clips)
-            # the window's gradient summed over replicas.
-            grads = _keras.all_reduce_sum(grads)
-        self.applier(grads, variables, reduced)
+        self.applier(grads, variables, self.replicas > 1)
         update = Update(
             grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
             counts=counts, iterations=_keras.iterations(self._optimizer),
@@ -118,8 +122,20 @@ class OneDevice:
         self._reset(local, window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
+    def denominator(self, window, local):
+        """What the window's summed gradient is divided by (`None`: nothing)."""
+        return self.state.reduction.denominator(window)
+
+    def _totals_before(self, window):
+        """The totals the observers see with the update (this replica's, before it)."""
+        return self.state.counts.read()
+
+    def _reduce(self, grads):
+        """The gradients the optimizer receives."""
+        return grads
+
     def _reset(self, local, window, **extra_counts):
-        self.state.reset(local, window, **extra_counts)
+        self.state.reset(local, **extra_counts)
         for observer in self.observers_here():
             observer.on_reset()
 
@@ -149,6 +165,11 @@ class OneDevice:
     def _drop_on_replica(self, window):
         local = self.state.local()
         self._reset(local, window, dropped_micro_steps=local["window_micro_batches"])
+
+    def pending(self, run):
+        """The open window as a `Window` (`run(name, graph)` runs a graph): a host read."""
+        counts = self.state.counts.numpy()
+        return Window(counts["window_micro_batches"], counts["window_samples"])
 
     def pending_graph(self):
         window = self.state.reduced()
@@ -229,6 +250,48 @@ class Replicas(OneDevice):
 
     def leave_out(self):
         """The loss scale is lowered at the window's end, alike on every replica."""
+
+    def pending(self, run):
+        """The open window summed over replicas: every worker must read it."""
+        if not self.state.traced:
+            return super().pending(run)
+        return run("pending", self.pending_graph)
+
+    def denominator(self, window, local):
+        """The reduction's denominator, with Keras' per-replica loss share undone.
+
+        Keras divides each replica's loss by the number of replicas (the loss
+        share) and the replicas' gradients are summed.
+        """
+        denominator = self.state.reduction.denominator(window)
+        if denominator is None:
+            return None
+        share = self.state.loss_share
+        if self.state.reduction.per_micro_batch:
+            if share * self.replicas == 1.0:
+                return denominator
+            share *= self.replicas  # the replicas' mean losses sum to replicas times one
+        denominator = tf.cast(denominator, tf.float64) * share
+        kept = self.state.reduction.keeps(local, window)
+        if kept is not True:
+            denominator = tf.where(kept, denominator, float("inf"))
+        return denominator
+
+    def _totals_before(self, window):
+        # What the reduced window adds to this replica's totals.
+        counts = self.state.counts.read()
+        return dict(counts, nonfinite_skips=counts["nonfinite_skips"] + window["window_nonfinite"])
+
+    def _reduce(self, grads):
+        # Applied as on one device: the optimizer receives (and clips) the
+        # window's gradient summed over replicas.
+        return _keras.all_reduce_sum(grads)
+
+    def _reset(self, local, window, **extra_counts):
+        # The reduced window's samples, items and left-out shares join the totals.
+        extra_counts.update(samples=window["window_samples"], items=window["window_items"],
+                            nonfinite_skips=window["window_nonfinite"])
+        super()._reset(local, window, **extra_counts)
 
     def after_micro_step(self):
         # Every replica, on every worker, holds the same position in the

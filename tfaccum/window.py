@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfaccum import precision
 from tfaccum import reduction as _reduction
+from tfaccum import replication as _replication
 from tfaccum.observers import MicroStep
 
 # The counts a hook keeps. The `window_*` ones describe the open window and
@@ -99,16 +100,17 @@ class Counts:
         return {name: vector[i] for i, name in enumerate(self.names)}
 
     def global_read(self):
-        """The counts with the window's shares summed over replicas (cross-replica)."""
-        vector = self.variable.read_value()  # summed over replicas
-        if self._replicas > 1:
-            vector = tf.where(self._shares, vector, vector // self._replicas)
+        """The counts with the window's shares summed over replicas (cross-replica).
+
+        Read across replicas the variable sums every replica's vector: the
+        shares are that sum, every other count is the same on each replica.
+        """
+        vector = self.variable.read_value()
+        vector = tf.where(self._shares, vector, vector // self._replicas)
         return {name: vector[i] for i, name in enumerate(self.names)}
 
     def local(self):
         """This machine's first replica's vector (the variable itself on one replica)."""
-        if self._replicas == 1:
-            return self.variable
         return self._strategy.experimental_local_results(self.variable)[0]
 
     def numpy(self):
@@ -299,12 +301,7 @@ class AccumulationWindow:
         # a gradient. Fixed when the step is traced.
         self.variables = None
         self.present = None
-        synchronized = strategy.num_replicas_in_sync > 1
-        self._variable_options = (
-            (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)
-            if synchronized
-            else (tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE)
-        )
+        self._variable_options = _replication.variable_options(strategy)
 
     @property
     def traced(self):
@@ -550,8 +547,7 @@ class WindowState:
         self.accumulators = AccumulationWindow(strategy, sparse_rows=sparse_rows, dtype=dtype)
         self.counts = self.accumulators.counts
         self.channels = None
-        self._loss_share = loss_share
-        self._replicas = strategy.num_replicas_in_sync
+        self.loss_share = loss_share
         self._sums = isinstance(reduction, _reduction.Sum)
         self.loss_seen = False  # whether a traced step showed its loss
         self._warned_dense = False
@@ -591,7 +587,7 @@ class WindowState:
                     return
                 channels = OutputChannels(
                     self.strategy, names, [output.loss_weight for output in micro.outputs],
-                    sparse_rows=self.accumulators.sparse_rows, loss_share=self._loss_share,
+                    sparse_rows=self.accumulators.sparse_rows, loss_share=self.loss_share,
                     dtype=self.accumulators.dtype)
                 if strategy is not None:  # cross-replica: dense, as the main window's
                     for window in channels.windows:
@@ -694,31 +690,15 @@ class WindowState:
             window.update(self.channels.global_read())
         return window
 
-    def denominator(self, window, local):
-        """What the summed gradient is divided by (`None`: nothing).
+    def gradients(self, denominator, channel_totals=None):
+        """The window's gradients divided by `denominator`, plus each output's.
 
-        Keras divides each replica's loss by the number of replicas (the loss
-        share) and sums their gradients: the first is undone here.
+        `denominator` comes from `Replication.denominator`; `channel_totals`
+        are the outputs' counts over the window (this replica's by default).
         """
-        denominator = self.reduction.denominator(window)
-        if denominator is None or self._replicas == 1:
-            return denominator
-        share = self._loss_share
-        if self.reduction.per_micro_batch:
-            if share * self._replicas == 1.0:
-                return denominator
-            share *= self._replicas  # the replicas' mean losses sum to replicas times one
-        denominator = tf.cast(denominator, tf.float64) * share
-        kept = self.reduction.keeps(local, window)
-        if kept is not True:
-            denominator = tf.where(kept, denominator, float("inf"))
-        return denominator
-
-    def gradients(self, window, local):
-        """The window's normalised gradients for `variables` (this replica's share)."""
-        grads = self.accumulators.gradients(self.denominator(window, local))
+        grads = self.accumulators.gradients(denominator)
         if self.channels is not None:
-            grads = self.channels.combine(grads, window.get("channel_items"))
+            grads = self.channels.combine(grads, channel_totals)
         return grads
 
     def loss(self, window):
@@ -726,7 +706,7 @@ class WindowState:
         counted = window["window_items"] > 0
         loss_sum = tf.where(counted, window["loss_sum"][0], window["loss_sum"][1])
         denominator = tf.maximum(tf.cast(_reduction.counted_or_samples(window), tf.float64), 1.0)
-        loss = loss_sum / denominator / self._loss_share
+        loss = loss_sum / denominator / self.loss_share
         if self.channels is not None:
             loss += self.channels.loss(window.get("channel_items"), window.get("channel_loss_sums"))
         return loss
@@ -735,18 +715,15 @@ class WindowState:
         """What the applied gradient is divided by to be a mean over samples (`sum`)."""
         return window["window_samples"] if self._sums else None
 
-    def reset(self, local, window=None, **extra_counts):
+    def reset(self, local, **extra_counts):
         """Empties the window: accumulators, channels and this replica's window counts.
 
-        With several replicas `window` is the reduced window, whose samples,
-        items and left-out shares join the totals.
+        `local` is this replica's window (`local()`); `extra_counts` are added
+        to the totals.
         """
         self.accumulators.reset()
         if self.channels is not None:
             self.channels.reset()
-        if self._replicas > 1:
-            extra_counts.update(samples=window["window_samples"], items=window["window_items"],
-                                nonfinite_skips=window["window_nonfinite"])
         counts = self.counts
         counts.add(counts.delta(**{name: -local[name] for name in WINDOW_COUNTS})
                    + counts.delta(**extra_counts))
