@@ -27,6 +27,9 @@ from tb_plugin import metadata
 from tb_plugin.downsample import finite_or_text
 from tfaccum import GradientAccumulationCallback
 
+# Its module-scoped fixtures are built once: its tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_dashboard_browser")
+
 REPO = Path(__file__).resolve().parents[1]
 MALICIOUS = "<img src=x onerror=alert(1)>"
 EPOCHS = 3

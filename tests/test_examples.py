@@ -18,11 +18,12 @@ def run(script, *args):
     return result.stdout
 
 
-def test_quickstart_matches_the_large_batch():
-    out = run("examples/quickstart.py", "--epochs", "1")
+def test_quickstart_matches_the_large_batch_and_writes_the_demo_dashboard(tmp_path):
+    out = run("examples/quickstart.py", "--epochs", "1", "--logdir", str(tmp_path))
     difference = float(re.search(r"largest weight difference: (\S+)", out).group(1))
     assert difference < 1e-5
     assert re.search(r"optimizer updates\s+22\s+22", out)
+    assert dashboard_runs(tmp_path) == {"16x4": 22, "8x8": 22}
 
 
 def test_exactness_benchmark_table():
@@ -57,11 +58,6 @@ def test_throughput_benchmark_table():
         assert low <= p10 <= float(median) <= p90 <= high, name
         # "within noise" exactly when the 10-90% range holds 1.
         assert (verdict.strip() == "within noise") == (p10 <= 1.0 <= p90), name
-
-
-def test_quickstart_writes_the_demo_dashboard(tmp_path):
-    run("examples/quickstart.py", "--epochs", "1", "--logdir", str(tmp_path))
-    assert dashboard_runs(tmp_path) == {"16x4": 22, "8x8": 22}
 
 
 def dashboard_runs(log_dir):

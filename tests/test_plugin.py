@@ -23,6 +23,9 @@ from tb_plugin.loader import AccumulationPluginLoader
 from tb_plugin.plugin import AccumulationPlugin
 from tfaccum import GradientAccumulationCallback
 
+# Its module-scoped fixtures are built once: its tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_plugin")
+
 PREFIX = "/data/plugin/accumulation"
 
 

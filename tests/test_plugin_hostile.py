@@ -27,6 +27,9 @@ from test_plugin import get_json
 from tb_plugin import metadata
 from tfaccum import GradientAccumulationCallback
 
+# Its module-scoped fixtures are built once: its tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_plugin_hostile")
+
 
 def write(log_dir, tag, values, meta):
     """Writes `values` (one per step, from 1) under `tag` with `meta` (bytes)."""

@@ -15,7 +15,6 @@ import reference as oracle
 from reference import keras
 from reference import max_diff
 
-import tfaccum
 from tfaccum import GradientAccumulationCallback
 from tfaccum import precision
 

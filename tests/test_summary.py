@@ -11,6 +11,9 @@ from reference import make_model
 from tb_plugin import metadata
 from tfaccum import GradientAccumulationCallback
 
+# Its module-scoped fixtures are built once: its tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_summary")
+
 
 def read_run(log_dir):
     """{tag: [(step, value)]} and {tag: SummaryMetadata}, via the Python loader."""
