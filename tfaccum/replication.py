@@ -128,7 +128,7 @@ class OneDevice:
 
     def _totals_before(self, window):
         """The totals the observers see with the update (this replica's, before it)."""
-        return self.state.counts.read()
+        return dict(self.state.counts.read())
 
     def _reduce(self, grads):
         """The gradients the optimizer receives."""
