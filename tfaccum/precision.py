@@ -13,8 +13,6 @@ Precision"). `benchmarks/precision.py` measures both against float32.
 
 import tensorflow as tf
 
-ACCUMULATOR_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16}
-
 _LOW_BITS = 1 << 16  # the float32 bits a bfloat16 drops
 _HIGH_BITS = -_LOW_BITS  # as an int32 mask: 0xFFFF0000
 
