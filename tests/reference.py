@@ -290,6 +290,10 @@ def train_large_batches(model, x, y, updates, sample_weight=None, class_weight=N
         # tf_keras' `train_on_batch` would pull that many batches from one.
         steps_per_execution.assign(1)
         model.train_function = None
+    if model.built:
+        # Made now rather than in the first trace, which then happens once
+        # (a step that makes variables traces twice); nothing else changes.
+        _keras.api_for(model).build_optimizer(model.optimizer, model.trainable_variables)
     weights = []
     for indices in updates:
         indices = np.asarray(indices)

@@ -310,6 +310,56 @@ def test_no_host_reads_on_inner_batches(monkeypatch):
     assert reads == ["flush"] * 4 + ["pending"]
 
 
+class TraceCounter(keras.layers.Layer):
+    """Passes its input through; counts the graphs it is traced into."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = 0
+
+    def call(self, x):
+        if tf.inside_function() and not tf.executing_eagerly():
+            self.traces += 1
+        return x
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam_ema"])
+def test_a_built_model_traces_its_step_once(optimizer):
+    # The optimizer's variables and the accumulators are made before the
+    # step traces: a step that makes variables traces twice (plain Keras'
+    # does, on one device: it builds the optimizer there).
+    x, y = make_data()
+    counter = TraceCounter()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), counter, keras.layers.Dense(1)])
+    model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    built = counter.traces  # building the Sequential traced it symbolically
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[callback])
+    assert counter.traces - built == 1
+    assert callback.optimizer_steps == 6  # windows of 4, 4 and a flushed 2, twice
+
+
+def test_an_empty_window_at_an_epoch_end_runs_no_graph(monkeypatch):
+    # Epochs that end on a window's end: the flush (or drop) has nothing to
+    # do, and neither traces nor runs its graph.
+    from tfaccum.hook import AccumulationHook
+
+    ran = []
+    original = AccumulationHook._run
+    monkeypatch.setattr(AccumulationHook, "_run",
+                        lambda self, name, graph: (ran.append(name), original(self, name, graph))[1])
+    x, y = make_data(n=96)
+    for leftover in ("flush", "drop"):
+        callback = GradientAccumulationCallback(accumulation_steps=4, leftover=leftover)
+        make_model().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+        assert callback.optimizer_steps == 6 and callback.flushes == 0
+    assert ran == []
+    callback = GradientAccumulationCallback(accumulation_steps=5)
+    make_model().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    assert ran == ["flush", "flush"] and callback.flushes == 2
+
+
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adagrad"])
 def test_embedding_gradients_equal_keras_large_batch(optimizer):
     """The optimizer receives the window's rows as the large batch's IndexedSlices.

@@ -128,3 +128,22 @@ def test_nbytes_is_what_the_accumulators_hold():
     dense = AccumulationWindow(tf.distribute.get_strategy(), sparse_rows=False)
     dense.track([rows], [table])
     assert dense.nbytes() == 1000 * 4 * 4
+
+
+def test_accumulators_made_ahead_follow_what_the_step_gives():
+    # Made before the first trace (the step then traces once): the trace
+    # keeps a dense one, gives a sparse gradient its rows, and drops one
+    # whose variable gets no gradient (it would hold a copy for nothing).
+    window = AccumulationWindow(tf.distribute.get_strategy())
+    table = tf.Variable(tf.zeros((1000, 4)))
+    kernel = tf.Variable(tf.zeros((3, 5)))
+    unused = tf.Variable(tf.zeros((7,)))
+    window.create_dense([table, kernel, unused], provisional=True)
+    assert window.nbytes() == (4000 + 15 + 7) * 4
+    rows = tf.IndexedSlices(tf.ones((6, 4)), tf.range(6), tf.constant([1000, 4]))
+    window.track([rows, tf.ones((3, 5)), None], [table, kernel, unused])
+    assert window.uses_rows(table) and not window.uses_rows(kernel)
+    assert not window.has_accumulator(unused)
+    assert window.nbytes() == 15 * 4
+    window.track([rows, tf.ones((3, 5)), None], [table, kernel, unused])  # a retrace
+    assert window.nbytes() == 15 * 4

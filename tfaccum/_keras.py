@@ -312,6 +312,18 @@ def is_model(value):
     )
 
 
+def trains_with_keras_step(model):
+    """Whether `model`'s class keeps Keras' own `train_step` (no override).
+
+    Such a step applies `model.trainable_variables`, so their optimizer
+    variables and accumulators can be made before it traces.
+    """
+    for cls in type(model).__mro__:
+        if "train_step" in vars(cls):
+            return cls.__module__.split(".")[0] in ("keras", "tf_keras")
+    return False
+
+
 def api_for_model_argument(value, argument):
     """`api_for(value)`, or a clear error naming `argument` if it is no model."""
     if not is_model(value):

@@ -149,8 +149,23 @@ class AccumulationHook:
         self.installation = ModelInstallation(model, self._train_step, self)
         self._functions = {}
         self._replication.prepare()
+        self._make_variables_ahead(api)
         self.set_accumulation_steps(accumulation_steps)
         self._install()
+
+    def _make_variables_ahead(self, api):
+        """Makes the optimizer's variables and dense accumulators now.
+
+        A `tf.function` that makes variables on its first call traces twice;
+        made here, Keras' own step on a built model traces once (Keras itself
+        builds the optimizer in its first trace on one device).
+        """
+        model = self.model
+        if not model.built or not _keras.trains_with_keras_step(model):
+            return
+        with tf.init_scope(), model.distribute_strategy.scope():
+            api.build_optimizer(model.optimizer, model.trainable_variables)
+            self.window.create_dense(model.trainable_variables, provisional=True)
 
     # -- installation ---------------------------------------------------
 
@@ -383,7 +398,7 @@ class AccumulationHook:
         Returns:
             The `Window` that was applied (`Window(0, 0)` if none was pending).
         """
-        if not self.state.traced:
+        if not self._anything_pending():
             return Window(0, 0)
         return self._run("flush", self._replication.flush_graph)
 
@@ -393,9 +408,15 @@ class AccumulationHook:
         Returns:
             The `Window` that was discarded.
         """
-        if not self.state.traced:
+        if not self._anything_pending():
             return Window(0, 0)
         return self._run("drop", self._replication.drop_graph)
+
+    def _anything_pending(self):
+        # A host read of the counts: an empty window (an epoch that ended on
+        # a window's end) neither traces nor runs the window-end graph.
+        # Every worker reads the same total, so all skip it or none.
+        return self.state.traced and self._replication.pending(self._run).micro_batches > 0
 
 
 def _all_finite(grads):

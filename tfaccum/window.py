@@ -311,6 +311,9 @@ class AccumulationWindow:
         self.dtype = dtype
         self.counts = Counts(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
+        # Made ahead of the first trace (`create_dense(provisional=True)`),
+        # kept once a traced step shows each gets a dense gradient.
+        self._provisional = set()
         with tf.init_scope(), strategy.scope():
             # The window's micro-batch losses, each times its items and
             # each times its samples (for a window of no items at all).
@@ -340,19 +343,34 @@ class AccumulationWindow:
         """
         self.variables = list(variables)
         self.present = [grad is not None for grad in grads]
+        used = set()
         for grad, variable in zip(grads, variables):
             if grad is not None:
                 self._accumulator(variable, isinstance(grad, tf.IndexedSlices))
+                used.add(id(variable))
+        for key in self._provisional - used:  # made ahead, but the step gives it nothing
+            del self._accumulators[key]
+        self._provisional.clear()
 
-    def create_dense(self, variables):
-        """Makes dense accumulators for `variables` now (outside any step)."""
+    def create_dense(self, variables, provisional=False):
+        """Makes dense accumulators for `variables` now (outside any step).
+
+        `provisional`: made ahead of the step's first trace, so that it makes
+        no variable and traces once; the trace replaces one whose variable
+        gets sparse rows, and drops one whose variable gets no gradient.
+        """
         for variable in variables:
+            if id(variable) not in self._accumulators and provisional:
+                self._provisional.add(id(variable))
             self._accumulator(variable, sparse=False)
 
     def _accumulator(self, variable, sparse):
         key = id(variable)
         rows = sparse and self.sparse_rows
         accumulator = self._accumulators.get(key)
+        if key in self._provisional and rows:
+            self._provisional.discard(key)
+            accumulator = None
         if accumulator is None:
             with tf.init_scope(), self.strategy.scope():
                 if rows:  # rows stay float32: they hold only the window's looked-up rows
