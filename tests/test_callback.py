@@ -340,6 +340,22 @@ def test_a_built_model_traces_its_step_once(optimizer):
     assert callback.optimizer_steps == 6  # windows of 4, 4 and a flushed 2, twice
 
 
+def test_variables_are_made_ahead_only_for_keras_own_step():
+    # A step of one's own may apply other variables than
+    # `model.trainable_variables`: its optimizer is left to build in it.
+    from tfaccum import _keras
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    plain, own = make_model(), OwnStep([keras.Input((5,)), keras.layers.Dense(1)])
+    assert _keras.trains_with_keras_step(plain)
+    assert not _keras.trains_with_keras_step(own)
+    plain.train_step = lambda data: {}  # set on the instance: an override too
+    assert not _keras.trains_with_keras_step(plain)
+
+
 def test_an_empty_window_at_an_epoch_end_runs_no_graph(monkeypatch):
     # Epochs that end on a window's end: the flush (or drop) has nothing to
     # do, and neither traces nor runs its graph.

@@ -316,8 +316,11 @@ def trains_with_keras_step(model):
     """Whether `model`'s class keeps Keras' own `train_step` (no override).
 
     Such a step applies `model.trainable_variables`, so their optimizer
-    variables and accumulators can be made before it traces.
+    variables and accumulators can be made before it traces. A `train_step`
+    set on the instance is an override too.
     """
+    if "train_step" in vars(model):
+        return False
     for cls in type(model).__mro__:
         if "train_step" in vars(cls):
             return cls.__module__.split(".")[0] in ("keras", "tf_keras")

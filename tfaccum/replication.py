@@ -152,9 +152,9 @@ class OneDevice:
     # -- host-triggered window ends (traced in their own functions) ---------------------
 
     def flush_graph(self):
+        """Ends the open window (run only when `pending` found micro-batches in it)."""
         window = self.state.reduced()
-        tf.cond(window["window_micro_batches"] > 0,
-                lambda: self.end_window(window, flushes=1), lambda: tf.constant(False))
+        self.end_window(window, flushes=1)
         return window["window_micro_batches"], window["window_samples"]
 
     def drop_graph(self):
