@@ -11,6 +11,9 @@ from tfaccum.items import count_items
 from tfaccum.multi_worker import disable_keras3_multi_worker
 from tfaccum.multi_worker import enable_keras3_multi_worker
 from tfaccum.reduction import Reduction
+from tfaccum.window_loss import InBatchSoftmax
+from tfaccum.window_loss import NTXent
+from tfaccum.window_loss import WindowLoss
 
 __version__ = "0.1.0"
 
@@ -18,8 +21,11 @@ __all__ = [
     "AccumBatchNormalization",
     "AccumulationHook",
     "GradientAccumulationCallback",
+    "InBatchSoftmax",
+    "NTXent",
     "Reduction",
     "Window",
+    "WindowLoss",
     "convert_batch_norm",
     "count_items",
     "disable_keras3_multi_worker",

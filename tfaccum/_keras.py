@@ -792,3 +792,87 @@ class _Keras3MultiWorkerPatch:
 
 
 keras3_multi_worker_patch = _Keras3MultiWorkerPatch()
+
+
+# -- window-wide losses (gradient caching) -----------------------------------------
+
+
+def seed_states(model):
+    """The state variables of the seed generators `model`'s layers draw from.
+
+    A Keras 3 layer that draws random numbers (`Dropout`, `GaussianNoise`,
+    ...) draws them from a `SeedGenerator` whose state moves at every draw:
+    set back, a forward pass draws the same masks again. Private:
+    `Layer._seed_generators` and `SeedGenerator.state` (Keras 3.7-3.15).
+    tf_keras has none (see `random_layers`).
+    """
+    if is_tf_keras_model(model):
+        return []
+    states, seen = [], set()
+    for layer in [model] + flatten_layers(model):
+        for generator in getattr(layer, "_seed_generators", ()):
+            state = generator.state
+            if id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    return states
+
+
+def random_layers(model):
+    """Names of `model`'s tf_keras layers that draw random numbers ([] on Keras 3).
+
+    tf_keras' `BaseRandomLayer`s draw from stateful random ops (or a
+    generator) whose masks a second forward pass cannot draw again.
+    Private: `tf_keras.src.engine.base_layer.BaseRandomLayer` (2.16-2.21).
+    """
+    if not is_tf_keras_model(model):
+        return []
+    from tf_keras.src.engine.base_layer import BaseRandomLayer
+
+    return [layer.name for layer in flatten_layers(model) if isinstance(layer, BaseRandomLayer)]
+
+
+def has_compiled_metrics(model):
+    """Whether `compile` was given `metrics=` or `weighted_metrics=`.
+
+    Public: `Model.compile`'s arguments as `compiled_metrics` (tf_keras) or
+    `_compile_metrics` (Keras 3.7-3.15, private).
+    """
+    container = getattr(model, "_compile_metrics", None)
+    if container is None and is_tf_keras_model(model):
+        container = getattr(model, "compiled_metrics", None)
+        return bool(container is not None and (
+            getattr(container, "_user_metrics", None)
+            or getattr(container, "_user_weighted_metrics", None)))
+    return container is not None
+
+
+def window_loss(model, y, y_pred, sample_weight):
+    """The compiled loss over a whole window, reported as the large batch's step reports it.
+
+    Keras 3: `Trainer._compute_loss` (private, 3.7-3.15) and the loss
+    tracker (`_loss_tracker`, private), updated with the window's samples as
+    the weight; tf_keras: `Model.compute_loss` (public), whose compiled loss
+    updates its own loss metric.
+    """
+    if is_tf_keras_model(model):
+        return model.compute_loss(None, y, y_pred, sample_weight)
+    loss = model._compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=True)
+    samples = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+    model._loss_tracker.update_state(loss, sample_weight=samples)
+    return loss
+
+
+def scaled_loss(optimizer, loss):
+    """`loss` times the optimizer's loss scale (mixed precision), else `loss`."""
+    if hasattr(optimizer, "scale_loss"):  # Keras 3
+        return optimizer.scale_loss(loss)
+    if hasattr(optimizer, "get_scaled_loss"):  # tf_keras' LossScaleOptimizer
+        return optimizer.get_scaled_loss(loss)
+    return loss
+
+
+def metrics_result(model):
+    """The logs a train step returns (`Model.get_metrics_result`, public on both)."""
+    return model.get_metrics_result()

@@ -10,6 +10,7 @@ from tfaccum.moments import window_observers
 from tfaccum.noise_scale import NoiseScaleEstimator
 from tfaccum.schedule import AccumulationSchedule
 from tfaccum.summary import AccumulationSummaries
+from tfaccum.window_loss import window_loss_of
 
 _PAST = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
 # Constructor arguments: the attribute that holds each (get_config, repr).
@@ -280,7 +281,7 @@ class GradientAccumulationCallback(_keras.Callback):
     def _configuration(self, model):
         """What a hook made by this callback for `model` holds (`hook.configuration`)."""
         observers = []
-        if self._wants_noise_scale():
+        if self._wants_noise_scale(model):
             observers.append("NoiseScaleEstimator")
         if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
             observers.append("AccumulationSummaries")
@@ -290,10 +291,11 @@ class GradientAccumulationCallback(_keras.Callback):
                     sparse_gradients=self.sparse_gradients,
                     accumulator_dtype=self.accumulator_dtype, observers=tuple(observers))
 
-    def _wants_noise_scale(self):
+    def _wants_noise_scale(self, model):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
-        return not self.schedule.always_one
+        # A window-wide loss has no micro-batch gradient to compare.
+        return not self.schedule.always_one and window_loss_of(model) is None
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""
@@ -310,7 +312,7 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _new_hook(self, model):
         strategy = model.distribute_strategy
-        self.estimator = NoiseScaleEstimator() if self._wants_noise_scale() else None
+        self.estimator = NoiseScaleEstimator() if self._wants_noise_scale(model) else None
         self.summaries = None
         # Across workers the chief writes: every worker's rows are the same.
         if self.log_dir is not None and _keras.writes_summaries(strategy):

@@ -257,3 +257,64 @@ def check_write_interval(write_interval):
             f"Received: write_interval={write_interval!r}"
         )
     return float(write_interval)
+
+
+def check_window_loss_meets(model, loss, *, reduction, skip_nonfinite, accumulator_dtype,
+                            observers):
+    """Refuses, by name, what a window-wide loss (gradient caching) cannot meet yet.
+
+    Everything accepted is exact: the window's update is the large batch's.
+    """
+    from tfaccum import _keras
+
+    def refuse(what, why, fix):
+        raise ValueError(
+            f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
+            f"which cannot meet {what}: {why}. {fix}")
+
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        refuse(f"a distribution strategy with {replicas} replicas",
+               "gathering the window's outputs across replicas is not built yet",
+               "Train it on one device, or compile with an ordinary loss.")
+    if not _keras.trains_with_keras_step(model):
+        refuse("a `train_step` of its own",
+               "the window's loss is computed by tfaccum's step, which runs Keras' "
+               "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
+    if model.jit_compile:
+        refuse("jit_compile=True", "the window's buffers grow with each micro-batch, "
+               "which XLA's fixed shapes do not allow", "Compile with jit_compile=False.")
+    if _keras.has_compiled_metrics(model):
+        refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
+               "yet (the loss is reported, as the large batch's)",
+               "Compile without metrics and evaluate with `model.evaluate()` or a "
+               "callback.")
+    norms = [layer.name for layer in _keras.flatten_layers(model)
+             if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__)]
+    if norms:
+        refuse(f"batch normalization (layers {norms})",
+               "each micro-batch's forward pass would run twice, with its own batch "
+               "statistics", "Use LayerNormalization in the towers.")
+    random = _keras.random_layers(model)
+    if random:
+        refuse(f"tf_keras layers that draw random numbers ({random})",
+               "their masks cannot be drawn again for the second forward pass",
+               "Use Keras 3 (its seed generators replay), or remove them.")
+    if _keras.is_tf_keras_model(model) and _keras.scales_loss_dynamically(model.optimizer):
+        refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
+               "Use Keras 3, or float32.")
+    if reduction != "auto":
+        refuse(f"reduction={reduction!r}", "the loss itself averages over the window, "
+               "as over the large batch", "Leave reduction=\"auto\".")
+    if skip_nonfinite:
+        refuse("skip_nonfinite=True", "a non-finite window cannot be told apart by "
+               "micro-batch; under a LossScaleOptimizer the optimizer itself skips a "
+               "non-finite update, as for the large batch", "Leave skip_nonfinite=None.")
+    if accumulator_dtype != "float32":
+        refuse(f"accumulator_dtype={accumulator_dtype!r}", "not measured yet",
+               "Use accumulator_dtype=\"float32\".")
+    names = [type(observer).__name__ for observer in observers]
+    if "NoiseScaleEstimator" in names:
+        refuse("noise_scale=True", "the noise scale compares micro-batch gradients with "
+               "the window's, and a window-wide loss has no gradient of its own per "
+               "micro-batch", "Pass noise_scale=None (off for window-wide losses).")

@@ -22,9 +22,11 @@ from tfaccum.moments import window_observers
 from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
+from tfaccum.gradient_cache import GradientCache
 from tfaccum.step import StepError
 from tfaccum.step import StepTracer
 from tfaccum.window import WindowState
+from tfaccum.window_loss import window_loss_of
 
 
 
@@ -143,9 +145,18 @@ class AccumulationHook:
             weight_in_loss=api.scales_loss_in_step
             and not _keras.scales_loss_dynamically(optimizer),
             loss_share=loss_share, on_micro_batch=self._micro_step)
-        self._replication = replication.for_model(
-            model, self.state, self._tracer.apply_gradients, self.observers,
-            skip_nonfinite=self.skip_nonfinite)
+        # A window-wide loss: gradient caching takes the step and the window's end.
+        self.window_loss = window_loss_of(model)
+        if self.window_loss is not None:
+            checks.check_window_loss_meets(
+                model, self.window_loss, reduction=reduction, skip_nonfinite=skip_nonfinite,
+                accumulator_dtype=accumulator_dtype, observers=self.observers)
+            self._replication = GradientCache(
+                model, self.state, self._tracer.apply_gradients, self.observers)
+        else:
+            self._replication = replication.for_model(
+                model, self.state, self._tracer.apply_gradients, self.observers,
+                skip_nonfinite=self.skip_nonfinite)
         self.installation = ModelInstallation(model, self._train_step, self)
         self._functions = {}
         self._replication.prepare()
@@ -336,6 +347,12 @@ class AccumulationHook:
     # -- the per-step graph -------------------------------------------------------
 
     def _train_step(self, data):
+        if self.window_loss is not None:
+            try:
+                return self._replication.train_step(data)
+            except StepError:
+                self.uninstall()
+                raise
         try:
             logs, nothing = self._tracer.train_step(self.installation.original_train_step(), data)
         except StepError:
@@ -416,7 +433,7 @@ class AccumulationHook:
         # A host read of the counts: an empty window (an epoch that ended on
         # a window's end) neither traces nor runs the window-end graph.
         # Every worker reads the same total, so all skip it or none.
-        return self.state.traced and self._replication.pending(self._run).micro_batches > 0
+        return self._replication.traced and self._replication.pending(self._run).micro_batches > 0
 
 
 def _all_finite(grads):

@@ -58,6 +58,11 @@ class OneDevice:
         self._optimizer = model.optimizer
         self._api = _keras.api_for(model)
 
+    @property
+    def traced(self):
+        """Whether a step has traced (before, no window can be pending)."""
+        return self.state.traced
+
     # -- while a step traces ----------------------------------------------------------
 
     def prepare(self):

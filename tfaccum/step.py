@@ -141,7 +141,7 @@ class StepTracer:
 
     def train_step(self, original, data):
         """Runs `original(data)` (the model's own step), collecting its micro-batch."""
-        step = _Step(_count_samples(data))
+        step = _Step(count_samples(data))
         self._local.step = step
         with self._patches.active(), self._counting(step), self._recording(step):
             logs = original(data)
@@ -303,7 +303,7 @@ class StepTracer:
         return tuple(outputs)
 
 
-def _count_samples(data):
+def count_samples(data):
     """Number of samples in a micro-batch, as an int64 scalar tensor."""
     x, _, _ = _keras.unpack_x_y_sample_weight(data)
     for leaf in tf.nest.flatten(x):

@@ -1,0 +1,227 @@
+"""Window-wide losses through gradient caching: exactly the large batch, or refused by name."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfaccum
+from tests.reference import KERAS
+from tests.reference import compare
+from tests.reference import keras
+from tests.reference import max_diff
+from tests.reference import mirrored
+
+N, FEATURES = 38, 6
+
+
+class LogScale(keras.layers.Layer):
+    """A trainable log logit scale, as one more column per sample (CLIP's)."""
+
+    def build(self, input_shape):
+        self.log_scale = self.add_weight(
+            name="log_scale", shape=(), initializer=keras.initializers.Constant(math.log(2.0)))
+
+    def call(self, inputs):
+        return tf.ones_like(inputs[:, :1]) * self.log_scale
+
+
+def _tower(dropout=0.0, regularizer=None):
+    layers = [keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    return keras.Sequential(layers + [keras.layers.Dense(4)])
+
+
+def _optimizer(name):
+    if name == "sgd_momentum":
+        return keras.optimizers.SGD(0.5, momentum=0.9)
+    return keras.optimizers.AdamW(0.02, weight_decay=0.01, clipnorm=0.5)
+
+
+def _custom(y_true, y_pred):
+    """A user's own window loss: in-batch softmax over raw dot products, plus a target term.
+
+    (The ranking term alone gives the document tower's last bias a zero
+    gradient: AdamW would turn its rounding noise into full steps.)
+    """
+    q, d = tf.split(y_pred, 2, axis=-1)
+    logits = tf.matmul(q, d, transpose_b=True)
+    ranking = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.range(tf.shape(q)[0]), logits)
+    return ranking + 0.1 * tf.reduce_sum(tf.square(q + d - tf.cast(y_true, q.dtype)), axis=-1)
+
+
+LOSSES = {
+    "in_batch": lambda: tfaccum.InBatchSoftmax(temperature=0.5),
+    "clip": lambda: tfaccum.InBatchSoftmax(temperature="learned", symmetric=True),
+    "nt_xent": lambda: tfaccum.NTXent(temperature=0.5),
+    "custom": lambda: tfaccum.WindowLoss(_custom),
+}
+
+
+def build(loss="in_batch", optimizer="sgd_momentum", dropout=0.0, regularizer=None,
+          **compile_kwargs):
+    """Two towers (one shared encoder for NT-Xent's two views), outputs side by side."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    if loss == "nt_xent":
+        encoder = _tower(dropout)
+        towers = [encoder(first), encoder(second)]
+    else:
+        towers = [_tower(dropout, regularizer)(first), _tower(dropout)(second)]
+    if loss == "clip":
+        towers.append(LogScale()(first))
+    model = keras.Model([first, second], keras.layers.Concatenate()(towers))
+    compile_kwargs.setdefault("jit_compile", False)
+    model.compile(_optimizer(optimizer), loss=LOSSES[loss](), **compile_kwargs)
+    return model
+
+
+def _data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = [rng.normal(size=(n, FEATURES)).astype("float32") for _ in range(2)]
+    y = rng.normal(size=(n, 4)).astype("float32")
+    return x, y
+
+
+# A covering set: every loss, both optimizers, every leftover policy, a short
+# last micro-batch, sample weights and steps_per_execution each met once.
+CASES = [
+    dict(loss="in_batch", optimizer="sgd_momentum", leftover="flush", n=38, steps=3),
+    dict(loss="clip", optimizer="adamw", leftover="carry", n=38, steps=3),
+    dict(loss="nt_xent", optimizer="sgd_momentum", leftover="drop", n=40, steps=3),
+    dict(loss="custom", optimizer="adamw", leftover="flush", n=38, steps=4,
+         sample_weight=True, steps_per_execution=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case["loss"])
+def test_a_window_of_micro_batches_is_the_large_batch(case):
+    case = dict(case)
+    n, steps, leftover = case.pop("n"), case.pop("steps"), case.pop("leftover")
+    weights = case.pop("sample_weight", False)
+    compile_kwargs = {}
+    if "steps_per_execution" in case:
+        compile_kwargs["steps_per_execution"] = case.pop("steps_per_execution")
+    x, y = _data(n)
+    sample_weight = np.linspace(0.5, 1.5, n).astype("float32") if weights else None
+    result = compare(lambda: build(**case, **compile_kwargs), x, y, micro=4, steps=steps,
+                     epochs=2, leftover=leftover, sample_weight=sample_weight)
+    assert len(result.ours) == len(result.updates)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build(**case)) > 1e-2
+    callback = result.callback
+    assert callback.optimizer_steps == len(result.updates)
+    assert callback.micro_steps == 2 * math.ceil(n / 4)
+    assert callback.samples == 2 * n
+    if leftover == "drop":
+        assert callback.dropped_micro_steps == 2
+    if leftover == "flush":
+        assert callback.flushes == 2
+
+
+def test_the_reported_loss_is_the_large_batch_loss():
+    x, y = _data(36)
+    model = build()
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    plain = build()
+    reference = plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], reference.history["loss"], rtol=1e-5)
+    assert history.history["loss"][0] != history.history["loss"][1]
+
+
+@pytest.mark.keras3
+def test_the_second_forward_pass_draws_the_first_passes_dropout_masks():
+    """Against the large batch of the same masks: each micro-batch's forward pass
+    (masks drawn in order, as the callback's first passes draw them) in one tape."""
+    x, y = _data(24)
+    model = build(dropout=0.5)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    reference = build(dropout=0.5)
+    loss = reference.loss
+    reference.optimizer.build(reference.trainable_variables)
+    for start in (0, 12):
+        with tf.GradientTape() as tape:
+            outputs = tf.concat([
+                reference([x[0][i:i + 4], x[1][i:i + 4]], training=True)
+                for i in range(start, start + 12, 4)], axis=0)
+            value = tf.reduce_mean(loss(None, outputs))
+        grads = tape.gradient(value, reference.trainable_variables)
+        reference.optimizer.apply(grads, reference.trainable_variables)
+    assert max_diff(reference, model) < 1e-5
+    assert max_diff(build(dropout=0.5), model) > 1e-2
+
+
+def mean_output(y_true, y_pred):
+    return tf.reduce_mean(y_pred, axis=-1)
+
+
+def _override():
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    model = Own([first, second], keras.layers.Concatenate()([_tower()(first), _tower()(second)]))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    return model
+
+
+def _batch_norm():
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    tower = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(4)])
+    model = keras.Model([first, second], keras.layers.Concatenate()([tower(first), tower(second)]))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    return model
+
+
+REFUSED = [
+    (build, dict(noise_scale=True), r"cannot meet noise_scale=True"),
+    (build, dict(reduction="mean"), r"cannot meet reduction='mean'.*Leave reduction=\"auto\""),
+    (build, dict(skip_nonfinite=True), r"cannot meet skip_nonfinite=True"),
+    (build, dict(accumulator_dtype="bfloat16"), r"cannot meet accumulator_dtype='bfloat16'"),
+    (lambda: build(metrics=[mean_output]), {}, r"cannot meet compiled `metrics=`"),
+    (lambda: build(jit_compile=True), {}, r"cannot meet jit_compile=True.*jit_compile=False"),
+    (_override, {}, r"cannot meet a `train_step` of its own"),
+    (_batch_norm, {}, r"cannot meet batch normalization \(layers \['batch_normalization"),
+    (lambda: build(regularizer=keras.regularizers.L2(0.1)), {}, r"adds losses of its own \(`model.losses`"),
+]
+
+
+@pytest.mark.parametrize("make, kwargs, message", REFUSED,
+                         ids=["noise_scale", "reduction", "skip_nonfinite", "bfloat16", "metrics",
+                              "jit_compile", "train_step", "batch_norm", "regularizer"])
+def test_what_a_window_loss_cannot_meet_is_refused_by_name(make, kwargs, message):
+    x, y = _data(16)
+    model = make()
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2, **kwargs)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+    before = [np.array(w) for w in model.get_weights()]
+    model.fit(x, y, batch_size=4, verbose=0)  # a plain model again
+    assert max_diff(before, model) > 0
+
+
+def test_several_replicas_are_refused_by_name():
+    with mirrored().scope():
+        model = build()
+    x, y = _data(16)
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"cannot meet a distribution strategy with 2 replicas"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.skipif(KERAS == "keras3", reason="Keras 3's dropout replays (test above)")
+def test_tf_keras_dropout_is_refused_by_name():
+    x, y = _data(16)
+    model = build(dropout=0.5)
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"cannot meet tf_keras layers that draw random numbers"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])

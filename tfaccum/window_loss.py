@@ -1,0 +1,224 @@
+"""Window-wide losses: losses that couple the samples of a batch (in-batch negatives).
+
+A loss such as a two-tower model's in-batch softmax scores each query against
+every document of its batch. Accumulated micro-batch by micro-batch it would
+see only its micro-batch's negatives; compiled as a `WindowLoss`, the
+accumulation hook computes it over the whole window instead (gradient
+caching, `tfaccum.gradient_cache`), so a window of micro-batches trains
+exactly as the large batch. Without the hook a `WindowLoss` is an ordinary
+Keras loss over its batch.
+
+A window loss maps `(y_true, y_pred)` of a whole batch to one loss per
+sample, shape `(batch,)`; Keras averages it (with `sample_weight`) as it does
+any loss.
+"""
+
+import math
+
+import tensorflow as tf
+
+
+class WindowLoss:
+    """A loss computed over the whole accumulation window, not each micro-batch.
+
+    Compile a model with it (`model.compile(loss=tfaccum.WindowLoss(fn))`) and
+    train with `GradientAccumulationCallback`: each micro-batch's outputs are
+    kept, the loss is computed over the window's outputs when it ends, and
+    each micro-batch's forward pass is run again to carry that loss's
+    gradient to the weights. The update is the large batch's. Without the
+    callback it is `fn` over the batch, as Keras calls any loss.
+
+    Args:
+        fn: `fn(y_true, y_pred) -> per-sample losses` (shape `(batch,)`),
+            computed with the whole batch in view (e.g. in-batch negatives).
+            Subclasses implement `call()` instead.
+        name: The loss's name. Defaults to `fn`'s (or the class's) name.
+
+    Example:
+
+    ```python
+    def in_batch(y_true, y_pred):   # y_pred: [queries | documents]
+        q, d = tf.split(y_pred, 2, axis=-1)
+        logits = tf.matmul(q, d, transpose_b=True)
+        labels = tf.range(tf.shape(logits)[0])
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    model.compile(optimizer="adam", loss=tfaccum.WindowLoss(in_batch))
+    model.fit(x, y, batch_size=32, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=8)])  # 256 negatives
+    ```
+    """
+
+    def __init__(self, fn=None, *, name=None):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"`fn` must be a callable `fn(y_true, y_pred)` returning one loss per "
+                f"sample. Received: fn={fn!r}")
+        if fn is None and type(self).call is WindowLoss.call:
+            raise TypeError(
+                "`WindowLoss` needs `fn`, a callable `fn(y_true, y_pred)` returning one "
+                "loss per sample (or a subclass that implements `call`). Received: fn=None")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", None) or _snake(type(self).__name__)
+        # Keras names a wrapped callable loss after its `__name__`.
+        self.__name__ = self.name
+
+    def call(self, y_true, y_pred):
+        """Per-sample losses of a whole batch (or window)."""
+        return self.fn(y_true, y_pred)
+
+    def __call__(self, y_true, y_pred, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"A `WindowLoss` is called with `(y_true, y_pred)` only. "
+                f"Received: {sorted(kwargs)}")
+        return self.call(y_true, y_pred)
+
+    def get_config(self):
+        return {"name": self.name}
+
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class InBatchSoftmax(WindowLoss):
+    """In-batch softmax of a two-tower model: each query against every document.
+
+    `y_pred` holds a query and its positive document per sample, side by
+    side: `[query | document]` along the last axis (e.g. a `Concatenate` of
+    the towers); every other document of the batch (the window, under the
+    callback) is a negative. `y_true` is not read.
+
+    Args:
+        temperature: Logits are similarities divided by it (a float > 0), or
+            `"learned"`: `y_pred` then ends with one more column, the log of
+            the logit scale (CLIP's `logit_scale`, e.g. from a trainable
+            weight broadcast over the batch), which trains with the model.
+            Defaults to 0.05.
+        symmetric: Also score each document against every query and average
+            the two directions (CLIP's loss). Defaults to `False`.
+        normalize: Compare L2-normalised embeddings (cosine similarity).
+            Defaults to `True`.
+        name: Defaults to `"in_batch_softmax"`.
+
+    Example:
+
+    ```python
+    outputs = keras.layers.Concatenate()([query_tower(q), document_tower(d)])
+    model = keras.Model([q, d], outputs)
+    model.compile("adam", loss=tfaccum.InBatchSoftmax(temperature=0.05))
+    ```
+    """
+
+    def __init__(self, temperature=0.05, *, symmetric=False, normalize=True, name=None):
+        if temperature != "learned":
+            _check_temperature(temperature)
+        self.temperature = temperature
+        self.symmetric = bool(symmetric)
+        self.normalize = bool(normalize)
+        super().__init__(name=name or "in_batch_softmax")
+
+    def call(self, y_true, y_pred):
+        y_pred = tf.convert_to_tensor(y_pred)
+        if self.temperature == "learned":
+            embeddings, log_scale = y_pred[:, :-1], y_pred[:, -1:]
+            scale = tf.exp(tf.cast(log_scale, tf.float32))
+        else:
+            embeddings, scale = y_pred, 1.0 / self.temperature
+        _check_even(embeddings, "InBatchSoftmax", "[query | document]")
+        queries, documents = tf.split(tf.cast(embeddings, tf.float32), 2, axis=-1)
+        if self.normalize:
+            queries = tf.math.l2_normalize(queries, axis=-1)
+            documents = tf.math.l2_normalize(documents, axis=-1)
+        similarity = tf.matmul(queries, documents, transpose_b=True)
+        labels = tf.range(tf.shape(similarity)[0])
+        forward = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, similarity * scale)
+        if not self.symmetric:
+            return forward
+        # Every row's scale is the same: one scale, whichever way it is read.
+        backward = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels, tf.transpose(similarity) * scale)
+        return (forward + backward) / 2.0
+
+    def get_config(self):
+        return {"temperature": self.temperature, "symmetric": self.symmetric,
+                "normalize": self.normalize, "name": self.name}
+
+    def __repr__(self):
+        return (f"InBatchSoftmax(temperature={self.temperature!r}, "
+                f"symmetric={self.symmetric}, normalize={self.normalize})")
+
+
+class NTXent(WindowLoss):
+    """SimCLR's NT-Xent: two views per sample, each view's positive is the other.
+
+    `y_pred` holds the two views' projections side by side, `[view 1 |
+    view 2]`; each of the 2 * batch projections is scored against all others
+    (itself left out), and the sample's loss is the mean of its two views'.
+    `y_true` is not read.
+
+    Args:
+        temperature: A float > 0. Defaults to 0.5.
+        name: Defaults to `"nt_xent"`.
+
+    Example:
+
+    ```python
+    outputs = keras.layers.Concatenate()([encoder(view_1), encoder(view_2)])
+    model = keras.Model([view_1, view_2], outputs)
+    model.compile("adam", loss=tfaccum.NTXent(temperature=0.5))
+    ```
+    """
+
+    def __init__(self, temperature=0.5, *, name=None):
+        _check_temperature(temperature)
+        self.temperature = float(temperature)
+        super().__init__(name=name or "nt_xent")
+
+    def call(self, y_true, y_pred):
+        y_pred = tf.cast(tf.convert_to_tensor(y_pred), tf.float32)
+        _check_even(y_pred, "NTXent", "[view 1 | view 2]")
+        first, second = tf.split(y_pred, 2, axis=-1)
+        views = tf.math.l2_normalize(tf.concat([first, second], axis=0), axis=-1)
+        n = tf.shape(first)[0]
+        logits = tf.matmul(views, views, transpose_b=True) / self.temperature
+        logits -= tf.eye(2 * n) * 1e9  # a view is not its own negative
+        labels = tf.concat([tf.range(n, 2 * n), tf.range(n)], axis=0)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+        return (losses[:n] + losses[n:]) / 2.0
+
+    def get_config(self):
+        return {"temperature": self.temperature, "name": self.name}
+
+    def __repr__(self):
+        return f"NTXent(temperature={self.temperature!r})"
+
+
+def _check_temperature(temperature):
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature <= 0):
+        raise ValueError(
+            f"`temperature` must be a float > 0 (or \"learned\" for `InBatchSoftmax`). "
+            f"Received: temperature={temperature!r}")
+
+
+def _check_even(embeddings, loss, layout):
+    width = embeddings.shape[-1]
+    if embeddings.shape.rank != 2 or (width is not None and width % 2):
+        raise ValueError(
+            f"`{loss}` expects `y_pred` of shape (batch, 2 * dim), laid out as "
+            f"{layout}. Received: y_pred of shape {embeddings.shape}")
+
+
+def _snake(name):
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def window_loss_of(model):
+    """The `WindowLoss` `model` is compiled with, or `None`.
+
+    Read from `model.loss`, what `compile` received (both Keras versions).
+    """
+    losses = getattr(model, "loss", None)
+    found = [loss for loss in tf.nest.flatten(losses) if isinstance(loss, WindowLoss)]
+    return found[0] if found else None
