@@ -225,3 +225,41 @@ def test_tf_keras_dropout_is_refused_by_name():
     callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2)
     with pytest.raises(ValueError, match=r"cannot meet tf_keras layers that draw random numbers"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.keras3
+def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
+    """Under `LossScaleOptimizer` the window's loss is scaled before its gradient
+    to the outputs is taken, and unscaled by the optimizer, as for the large batch."""
+    x, y = _data(24)
+    result = compare(lambda: build(optimizer="adamw"), x, y, micro=4, steps=3, epochs=2)
+    assert isinstance(result.model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert result.model.outputs[0].dtype == "float16"
+    # float16 forward passes round differently per batch shape (test_distribution: 1e-4).
+    assert result.diff < 1e-4, result.diff
+    assert result.moved(lambda: build(optimizer="adamw")) > 1e-2
+
+
+def test_the_dashboard_shows_the_window_loss(tmp_path):
+    from tests.test_summary import read_run, values
+
+    x, y = _data(24)
+    log_dir = str(tmp_path / "run")
+    model = build()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3, log_dir=log_dir)])
+    series, _ = read_run(log_dir)
+    reference = build()
+    losses, norms = [], []
+    for start in (0, 12):
+        batch = [x[0][start:start + 12], x[1][start:start + 12]]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(reference.loss(None, reference(batch, training=True)))
+        norms.append(float(tf.linalg.global_norm(
+            tape.gradient(loss, reference.trainable_variables))))
+        losses.append(float(reference.train_on_batch(batch, y[start:start + 12])))
+    np.testing.assert_allclose(values(series, "window_loss"), losses, rtol=1e-5)
+    np.testing.assert_allclose(values(series, "applied_gradient_norm"), norms, rtol=1e-5)
+    assert values(series, "window_samples") == [12, 12]
+    # No micro-batch has a gradient of its own: its norms are not a number.
+    assert all(np.isnan(values(series, "micro_norm_mean")))

@@ -127,11 +127,15 @@ class AccumulationSummaries(WindowObserver):
         micro_steps = counts["micro_steps"]
         updates = counts["optimizer_steps"] + 1
         noise_scale = float("nan") if self.noise is None else self.noise.current()
+        measured = self._micro_count > 0
         values = {
             "applied_gradient_norm": tf.norm(present_norms),
-            "micro_norm_mean": tf.cast(self._micro_norm_sum, tf.float64)
-            / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
-            "micro_norm_max": self._micro_norm_max,
+            # Not a number where no micro-batch gradient was measured (a
+            # window-wide loss has none of its own).
+            "micro_norm_mean": tf.where(measured, tf.cast(self._micro_norm_sum, tf.float64)
+                                        / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
+                                        tf.constant(float("nan"), tf.float64)),
+            "micro_norm_max": tf.where(measured, self._micro_norm_max, float("nan")),
             "window_micro_batches": window["window_micro_batches"],
             "window_samples": window["window_samples"],
             "micro_steps": micro_steps,
