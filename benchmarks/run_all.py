@@ -38,6 +38,7 @@ TABLES = {
     "precision": (["precision.py"], 0),
     "sparse-window": (["sparse_window.py"], 0),
     "dashboard": (["dashboard.py"], 0),
+    "window-loss": (["window_loss.py", "--repeats", "2"], 0),
 }
 MARKER = re.compile(r"<!-- benchmark: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /benchmark -->",
                     re.DOTALL)

@@ -25,3 +25,14 @@ def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
     plain = float(re.search(r"plain BatchNormalization, 4 x 8 vs batch 32: (\S+)", out).group(1))
     assert converted < 1e-5 < 1e-4 < plain
     assert dashboard_runs(tmp_path) == {"mobilenet-4x8": 1}
+
+
+def test_dual_encoder_window_wide_is_the_batch_of_128(tmp_path):
+    out = run("examples/dual_encoder_digits.py", "--epochs", "1", "--logdir", str(tmp_path))
+    difference = float(re.search(r"largest weight difference (\S+)", out).group(1))
+    assert difference < 1e-5
+    accuracy = dict(re.findall(r"  (.+?)\s+retrieval top-1\s+(\S+)%", out))
+    assert set(accuracy) == {"plain micro-batches of 16", "ordinary accumulation, 8 x 16",
+                             "window-wide accumulation, 8 x 16", "batch of 128 (reference)"}
+    assert accuracy["window-wide accumulation, 8 x 16"] == accuracy["batch of 128 (reference)"]
+    assert list(tmp_path.iterdir())  # the dashboard's summaries

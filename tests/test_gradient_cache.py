@@ -263,3 +263,42 @@ def test_the_dashboard_shows_the_window_loss(tmp_path):
     assert values(series, "window_samples") == [12, 12]
     # No micro-batch has a gradient of its own: its norms are not a number.
     assert all(np.isnan(values(series, "micro_norm_mean")))
+
+
+def _two_outputs():
+    """Embeddings with an in-batch loss, and a per-sample head with a loss of its own."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    query = _tower()(first)
+    embeddings = keras.layers.Concatenate(name="embeddings")([query, _tower()(second)])
+    head = keras.layers.Dense(3, name="head")(query)
+    model = keras.Model([first, second], {"embeddings": embeddings, "head": head})
+    model.compile(_optimizer("adamw"), jit_compile=False, loss={
+        "embeddings": tfaccum.InBatchSoftmax(temperature=0.5),
+        "head": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        loss_weights={"embeddings": 1.0, "head": 0.5})
+    return model
+
+
+def test_several_outputs_each_lose_over_the_window():
+    x, _ = _data(30)
+    y = {"embeddings": np.zeros((30, 8), "float32"), "head": np.arange(30) % 3}
+    result = compare(_two_outputs, x, y, micro=4, steps=3, epochs=2)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(_two_outputs) > 1e-2
+
+
+def test_a_dataset_trains_as_arrays_do():
+    x, y = _data(30)
+    dataset = tf.data.Dataset.from_tensor_slices(((x[0], x[1]), y)).batch(4)
+    model = build()
+    model.fit(dataset, epochs=2, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    arrays = build()
+    arrays.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    reference = build()
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert max_diff(reference, model) < 1e-5
+    assert max_diff(arrays, model) < 1e-5
+    assert max_diff(build(), model) > 1e-2

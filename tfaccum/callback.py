@@ -40,6 +40,11 @@ class GradientAccumulationCallback(_keras.Callback):
     still update every micro-batch. When `fit` ends the hook is removed and the
     model is a plain Keras model again.
 
+    A model compiled with a `tfaccum.WindowLoss` (a loss with in-batch
+    negatives: `InBatchSoftmax`, `NTXent`) gets its loss computed over the
+    whole window, by gradient caching (`tfaccum.gradient_cache`): still
+    exactly the large batch.
+
     Args:
         accumulation_steps: Micro-batches per optimizer update. An integer
             >= 1; a dict `{epoch: steps}` whose value applies from that epoch
@@ -80,7 +85,8 @@ class GradientAccumulationCallback(_keras.Callback):
             `callback.suggested_accumulation_steps`. With several replicas
             the small batches are the first replica's shares. Defaults to
             `None`: on whenever `accumulation_steps` > 1 (windows of one
-            micro-batch give no estimate); `True` insists, and is an error
+            micro-batch give no estimate), except with a window-wide loss
+            (a micro-batch has no gradient of its own there); `True` insists, and is an error
             with `accumulation_steps=1`; `False` turns it off.
         log_dir: Directory for TensorBoard summaries of every optimizer
             update and leftover event, shown in the "Accumulation" tab
