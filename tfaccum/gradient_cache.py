@@ -30,11 +30,12 @@ from tfaccum.step import count_samples
 class _Buffer:
     """One variable of a window's rows, held along its first axis.
 
-    It holds what the window kept so far and maybe more rows of an earlier
-    window: `WindowBuffers` says how many are the window's. A buffer is
-    never cut back to zero rows: TensorFlow's graph optimizer (2.16-2.21)
-    answers the size of a read made before a variable's shape changes, in
-    the same function, with the size after the change.
+    Rows are written in place (a scatter into the rows the window reached),
+    into a variable that grows, doubling, to the largest window seen: a
+    window's rows are not copied at each micro-step. `WindowBuffers` says
+    how many rows are the window's. A buffer never shrinks: TensorFlow's
+    graph optimizer (2.16-2.21) answers the size of a read made before a
+    variable's shape changes, in the same function, with the size after it.
     """
 
     def __init__(self, spec, name):
@@ -46,20 +47,38 @@ class _Buffer:
             self.variable = tf.Variable(
                 tf.zeros(dims, self.dtype), trainable=False, name=name,
                 shape=tf.TensorShape([None]).concatenate(self.element_shape))
+            self.capacity = tf.Variable(tf.zeros((), tf.int64), trainable=False,
+                                        name=name + "_capacity")
 
     def append(self, held, rows):
         """Keeps `rows` after the first `held` rows."""
         rows = tf.cast(rows, self.dtype)
-        kept = self.variable.read_value()[:held]
-        if self._fixed:
-            self.variable.assign(tf.concat([kept, rows], 0))
+        if not self._fixed:
+            # Unknown dimensions: a window's first rows set them (padded
+            # inputs of one length); the window is concatenated.
+            kept = self.variable.read_value()[:held]
+            self.variable.assign(tf.cond(held > 0, lambda: tf.concat([kept, rows], 0),
+                                         lambda: rows))
             return
-        # Unknown dimensions: a window's first rows set them (padded inputs of one length).
-        self.variable.assign(tf.cond(held > 0, lambda: tf.concat([kept, rows], 0),
-                                     lambda: rows))
+        need = held + tf.shape(rows, out_type=tf.int64)[0]
+        capacity = self.capacity.read_value()
 
-    def read(self, held):
-        return self.variable.read_value()[:held]
+        def grow():
+            size = tf.maximum(need, 2 * capacity)
+            dims = tf.constant(self.element_shape.as_list(), tf.int64)
+            padding = tf.zeros(tf.concat([[size - held], dims], 0), self.dtype)
+            self.variable.assign(tf.concat([self.variable.read_value()[:held], padding], 0))
+            self.capacity.assign(size)
+            return tf.constant(True)
+
+        grown = tf.cond(need > capacity, grow, lambda: tf.constant(False))
+        with tf.control_dependencies([grown]):
+            self.variable.scatter_nd_update(tf.range(held, need)[:, None], rows)
+
+    def read(self, held=None):
+        """The window's rows, or (`held=None`) every row, read without a copy."""
+        value = self.variable.read_value()
+        return value if held is None else value[:held]
 
 
 class WindowBuffers:
@@ -80,6 +99,9 @@ class WindowBuffers:
         self._seeds = [_Buffer(tf.TensorSpec([None] + s.shape.as_list(), s.dtype), "window_seed")
                        for s in parts["seeds"]]
         self._sizes = _Buffer(tf.TensorSpec([None], tf.int64), "window_sizes")
+        is_input = tf.nest.flatten({name: tf.nest.map_structure(lambda _: name == "x", value)
+                                    for name, value in self._structure.items()})
+        self._input_buffers = [b for b, x in zip(self._buffers, is_input) if x]
         with tf.init_scope():
             # The window's rows (samples) and micro-batches held.
             self.held = tf.Variable(tf.zeros((2,), tf.int64), trainable=False,
@@ -97,12 +119,31 @@ class WindowBuffers:
         self.held.assign_add(tf.stack([samples, tf.constant(1, tf.int64)]))
 
     def read(self):
-        """`(parts, seeds, sizes)`: the window's parts as the step gave them."""
+        """`(parts, seeds, sizes)`: the window's parts as the step gave them, but its inputs.
+
+        The inputs are read a micro-batch at a time (`inputs`).
+        """
         held = self.held.read_value()
+        inputs = set(id(b) for b in self._input_buffers)
         parts = dict.fromkeys(("x", "y", "sample_weight", "y_pred"))
         parts.update(tf.nest.pack_sequence_as(
-            self._structure, [b.read(held[0]) for b in self._buffers]))
+            self._structure,
+            [None if id(b) in inputs else b.read(held[0]) for b in self._buffers]))
+        parts["x"] = None
         return parts, [b.read(held[1]) for b in self._seeds], self._sizes.read(held[1])
+
+    def inputs(self, start, stop):
+        """The inputs `x` of rows `start` to `stop`, gathered.
+
+        Gathered rows, not a slice of a read: a variable written by rows
+        (scatter) copies itself whole on every read (TensorFlow's
+        copy-on-read mode), which would hold the window's inputs twice.
+        """
+        rows = tf.range(start, stop)
+        inputs = set(id(b) for b in self._input_buffers)
+        flat = [b.variable.sparse_read(rows) if id(b) in inputs else None
+                for b in self._buffers]
+        return tf.nest.pack_sequence_as(self._structure, flat)["x"]
 
     def clear(self):
         self.held.assign(tf.zeros((2,), tf.int64))
@@ -186,7 +227,7 @@ class GradientCache(OneDevice):
             scaled = _keras.scaled_loss(optimizer, loss)
         output_grads = tape.gradient(scaled, outputs)
         variables = list(model.trainable_variables)
-        self._replay(parts["x"], output_grads, seeds, sizes, variables)
+        self._replay(output_grads, seeds, sizes, variables)
         grads = self.state.accumulators.gradients()
         gradient_scale = self._api.loss_scale(optimizer)  # before the update
         self.applier(grads, self.state.variables, False)
@@ -199,7 +240,7 @@ class GradientCache(OneDevice):
         self._reset(window, window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
-    def _replay(self, inputs, output_grads, seeds, sizes, variables):
+    def _replay(self, output_grads, seeds, sizes, variables):
         """Runs each micro-batch's forward pass again, back-propagating its cached slice."""
         window = self.state.accumulators
         states = self._seed_states
@@ -210,7 +251,7 @@ class GradientCache(OneDevice):
             for state, held in zip(states, seeds):
                 state.assign(held[i])
             rows = slice(starts[i], starts[i] + sizes[i])
-            x = tf.nest.map_structure(lambda t: t[rows], inputs)
+            x = self.buffers.inputs(starts[i], starts[i] + sizes[i])
             cached = tf.nest.flatten(tf.nest.map_structure(
                 lambda g: None if g is None else g[rows], output_grads))
             with tf.GradientTape() as tape:
