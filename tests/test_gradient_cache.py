@@ -7,11 +7,11 @@ import pytest
 import tensorflow as tf
 
 import tfaccum
-from tests.reference import KERAS
-from tests.reference import compare
-from tests.reference import keras
-from tests.reference import max_diff
-from tests.reference import mirrored
+from reference import KERAS
+from reference import compare
+from reference import keras
+from reference import max_diff
+from reference import mirrored
 
 N, FEATURES = 38, 6
 
@@ -209,12 +209,39 @@ def test_what_a_window_loss_cannot_meet_is_refused_by_name(make, kwargs, message
     assert max_diff(before, model) > 0
 
 
-def test_several_replicas_are_refused_by_name():
+@pytest.mark.keras3
+@pytest.mark.parametrize("case", [
+    dict(loss="in_batch", optimizer="sgd_momentum", leftover="flush", log_dir=True),
+    dict(loss="clip", optimizer="adamw", leftover="drop"),
+], ids=["in_batch-log_dir", "clip-drop"])
+def test_two_replicas_gather_the_window_as_one_device(case, tmp_path):
+    """Each replica's outputs are gathered once per window: two replicas equal
+    one device's large batch (38 samples: a last micro-batch of 2, split 1 and 1)."""
+    case = dict(case)
+    leftover = case.pop("leftover")
+    kwargs = dict(log_dir=str(tmp_path / "run")) if case.pop("log_dir", False) else {}
+    x, y = _data(38)
+    result = compare(lambda: build(**case), x, y, micro=4, steps=3, epochs=2, leftover=leftover,
+                     strategy=mirrored(), callback_kwargs=kwargs)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build(**case)) > 1e-2
+    assert result.callback.optimizer_steps == len(result.updates)
+    assert result.callback.samples == 76
+    if kwargs:
+        from test_summary import read_run
+        from test_summary import values
+
+        series, _ = read_run(kwargs["log_dir"])
+        assert values(series, "window_samples") == [len(u) for u in result.updates]
+
+
+@pytest.mark.skipif(KERAS == "keras3", reason="Keras 3 gathers across replicas (test above)")
+def test_tf_keras_replicas_are_refused_by_name():
     with mirrored().scope():
         model = build()
     x, y = _data(16)
     callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2)
-    with pytest.raises(ValueError, match=r"cannot meet a distribution strategy with 2 replicas"):
+    with pytest.raises(ValueError, match=r"cannot meet a tf_keras model under a strategy with 2"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
 
 
@@ -241,7 +268,8 @@ def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
 
 
 def test_the_dashboard_shows_the_window_loss(tmp_path):
-    from tests.test_summary import read_run, values
+    from test_summary import read_run
+    from test_summary import values
 
     x, y = _data(24)
     log_dir = str(tmp_path / "run")

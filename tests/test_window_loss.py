@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfaccum
-from tests.reference import keras
+from reference import keras
 
 pytestmark = pytest.mark.once
 

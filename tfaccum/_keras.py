@@ -847,21 +847,30 @@ def has_compiled_metrics(model):
     return container is not None
 
 
-def window_loss(model, y, y_pred, sample_weight):
-    """The compiled loss over a whole window, reported as the large batch's step reports it.
+def compiled_loss(model, y, y_pred, sample_weight):
+    """The compiled loss of a whole window, updating no metric.
 
-    Keras 3: `Trainer._compute_loss` (private, 3.7-3.15) and the loss
-    tracker (`_loss_tracker`, private), updated with the window's samples as
-    the weight; tf_keras: `Model.compute_loss` (public), whose compiled loss
-    updates its own loss metric.
+    Keras 3: `Trainer._compute_loss` (private, 3.7-3.15; it divides by the
+    replicas under a strategy); tf_keras: `compiled_loss` called with no
+    metric update is not offered, so its `_losses` are not used: its loss
+    metric counts the window once (`track_loss` is a no-op there).
     """
     if is_tf_keras_model(model):
         return model.compute_loss(None, y, y_pred, sample_weight)
-    loss = model._compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
+    return model._compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                training=True)
-    samples = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+
+
+def track_loss(model, loss, samples):
+    """Adds a window's loss to the logs' `loss`, weighted by its samples (this replica's).
+
+    Keras 3: the loss tracker (`Trainer._loss_tracker`, private, 3.7-3.15),
+    as its own train step updates it; tf_keras' compiled loss updated its
+    metric when `compiled_loss` computed it.
+    """
+    if is_tf_keras_model(model):
+        return
     model._loss_tracker.update_state(loss, sample_weight=samples)
-    return loss
 
 
 def scaled_loss(optimizer, loss):

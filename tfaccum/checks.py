@@ -272,11 +272,16 @@ def check_window_loss_meets(model, loss, *, reduction, skip_nonfinite, accumulat
             f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
             f"which cannot meet {what}: {why}. {fix}")
 
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas > 1:
-        refuse(f"a distribution strategy with {replicas} replicas",
-               "gathering the window's outputs across replicas is not built yet",
-               "Train it on one device, or compile with an ordinary loss.")
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and len(strategy.extended.worker_devices) < replicas:
+        refuse(f"a strategy across several machines ({type(strategy).__name__})",
+               "the window's outputs are gathered across one machine's replicas only",
+               "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
+    if replicas > 1 and _keras.is_tf_keras_model(model):
+        refuse(f"a tf_keras model under a strategy with {replicas} replicas",
+               "gathering the window's outputs across replicas is built for Keras 3 only",
+               "Use Keras 3, or one device.")
     if not _keras.trains_with_keras_step(model):
         refuse("a `train_step` of its own",
                "the window's loss is computed by tfaccum's step, which runs Keras' "

@@ -23,6 +23,8 @@ import tensorflow as tf
 from tfaccum import _keras
 from tfaccum.observers import Update
 from tfaccum.replication import OneDevice
+from tfaccum.replication import Replicas
+from tfaccum.replication import variable_options
 from tfaccum.step import StepError
 from tfaccum.step import count_samples
 
@@ -38,17 +40,20 @@ class _Buffer:
     variable's shape changes, in the same function, with the size after it.
     """
 
-    def __init__(self, spec, name):
+    def __init__(self, spec, name, strategy):
         self.element_shape = spec.shape[1:]
         self.dtype = spec.dtype
         self._fixed = self.element_shape.is_fully_defined()
         dims = [0] + [d if d is not None else 0 for d in self.element_shape.as_list()]
-        with tf.init_scope():
+        # With several replicas each keeps its own rows (written by handle).
+        synchronization, aggregation = variable_options(strategy)
+        options = dict(trainable=False, synchronization=synchronization, aggregation=aggregation)
+        with tf.init_scope(), strategy.scope():
             self.variable = tf.Variable(
-                tf.zeros(dims, self.dtype), trainable=False, name=name,
-                shape=tf.TensorShape([None]).concatenate(self.element_shape))
-            self.capacity = tf.Variable(tf.zeros((), tf.int64), trainable=False,
-                                        name=name + "_capacity")
+                tf.zeros(dims, self.dtype), name=name,
+                shape=tf.TensorShape([None]).concatenate(self.element_shape), **options)
+            self.capacity = tf.Variable(tf.zeros((), tf.int64), name=name + "_capacity",
+                                        **options)
 
     def append(self, held, rows):
         """Keeps `rows` after the first `held` rows."""
@@ -73,12 +78,18 @@ class _Buffer:
 
         grown = tf.cond(need > capacity, grow, lambda: tf.constant(False))
         with tf.control_dependencies([grown]):
-            self.variable.scatter_nd_update(tf.range(held, need)[:, None], rows)
+            tf.raw_ops.ResourceScatterNdUpdate(
+                ref=self.variable.handle, indices=tf.range(held, need)[:, None], updates=rows)
 
-    def read(self, held=None):
-        """The window's rows, or (`held=None`) every row, read without a copy."""
-        value = self.variable.read_value()
-        return value if held is None else value[:held]
+    def read(self, held, variable=None):
+        """The first `held` rows (of `variable`: one replica's, cross-replica)."""
+        return (self.variable if variable is None else variable).read_value()[:held]
+
+    def gather(self, start, stop):
+        """Rows `start` to `stop`, gathered (this replica's)."""
+        rows = tf.raw_ops.ResourceGather(resource=self.variable.handle,
+                                         indices=tf.range(start, stop), dtype=self.dtype)
+        return tf.ensure_shape(rows, tf.TensorShape([None]).concatenate(self.element_shape))
 
 
 class WindowBuffers:
@@ -90,22 +101,25 @@ class WindowBuffers:
     Made at the first trace, from what the step gives.
     """
 
-    def __init__(self, parts):
+    def __init__(self, parts, strategy):
         self._structure = {name: value for name, value in parts.items()
                            if name != "seeds" and value is not None}
         flat = tf.nest.flatten(self._structure)
-        self._buffers = [_Buffer(tf.TensorSpec.from_tensor(t), f"window_{i}")
+        self._buffers = [_Buffer(tf.TensorSpec.from_tensor(t), f"window_{i}", strategy)
                          for i, t in enumerate(flat)]
-        self._seeds = [_Buffer(tf.TensorSpec([None] + s.shape.as_list(), s.dtype), "window_seed")
-                       for s in parts["seeds"]]
-        self._sizes = _Buffer(tf.TensorSpec([None], tf.int64), "window_sizes")
+        self._seeds = [_Buffer(tf.TensorSpec([None] + s.shape.as_list(), s.dtype),
+                               "window_seed", strategy) for s in parts["seeds"]]
+        self._sizes = _Buffer(tf.TensorSpec([None], tf.int64), "window_sizes", strategy)
+        self._strategy = strategy
         is_input = tf.nest.flatten({name: tf.nest.map_structure(lambda _: name == "x", value)
                                     for name, value in self._structure.items()})
         self._input_buffers = [b for b, x in zip(self._buffers, is_input) if x]
-        with tf.init_scope():
-            # The window's rows (samples) and micro-batches held.
+        synchronization, aggregation = variable_options(strategy)
+        with tf.init_scope(), strategy.scope():
+            # The window's rows (samples) and micro-batches held (this replica's).
             self.held = tf.Variable(tf.zeros((2,), tf.int64), trainable=False,
-                                    name="window_held")
+                                    name="window_held", synchronization=synchronization,
+                                    aggregation=aggregation)
 
     def append(self, parts, samples):
         held = self.held.read_value()
@@ -132,6 +146,25 @@ class WindowBuffers:
         parts["x"] = None
         return parts, [b.read(held[1]) for b in self._seeds], self._sizes.read(held[1])
 
+    def read_replicas(self):
+        """Cross-replica: the parts of `read()` over every replica's rows, replica after
+        replica, and each replica's rows (one machine's replicas)."""
+        strategy = self._strategy
+        helds = [h.read_value() for h in strategy.experimental_local_results(self.held)]
+        inputs = set(id(b) for b in self._input_buffers)
+        flat = []
+        for buffer in self._buffers:
+            if id(buffer) in inputs:
+                flat.append(None)
+                continue
+            components = strategy.experimental_local_results(buffer.variable)
+            flat.append(tf.concat([buffer.read(held[0], component)
+                                   for held, component in zip(helds, components)], 0))
+        parts = dict.fromkeys(("x", "y", "sample_weight", "y_pred"))
+        parts.update(tf.nest.pack_sequence_as(self._structure, flat))
+        parts["x"] = None
+        return parts, tf.stack([held[0] for held in helds])
+
     def inputs(self, start, stop):
         """The inputs `x` of rows `start` to `stop`, gathered.
 
@@ -139,10 +172,8 @@ class WindowBuffers:
         (scatter) copies itself whole on every read (TensorFlow's
         copy-on-read mode), which would hold the window's inputs twice.
         """
-        rows = tf.range(start, stop)
         inputs = set(id(b) for b in self._input_buffers)
-        flat = [b.variable.sparse_read(rows) if id(b) in inputs else None
-                for b in self._buffers]
+        flat = [b.gather(start, stop) if id(b) in inputs else None for b in self._buffers]
         return tf.nest.pack_sequence_as(self._structure, flat)["x"]
 
     def clear(self):
@@ -171,10 +202,6 @@ class GradientCache(OneDevice):
     def traced(self):
         return self.buffers is not None
 
-    @property
-    def traced(self):
-        return self.buffers is not None
-
     # -- a micro-step -------------------------------------------------------------
 
     @tf.autograph.experimental.do_not_convert
@@ -195,15 +222,21 @@ class GradientCache(OneDevice):
         samples = count_samples(data)
         parts = dict(x=x, y=y, sample_weight=sample_weight, y_pred=y_pred, seeds=seeds)
         if self.buffers is None:
-            self.buffers = WindowBuffers(parts)
+            self._create(lambda *_: self._make_buffers(parts))
         self.buffers.append(parts, samples)
         counts = self.state.counts
+        totals = dict(samples=samples, items=samples) if self.totals_per_micro_batch else {}
         counts.add(counts.delta(micro_steps=1, window_micro_batches=1, window_samples=samples,
-                                window_items=samples, samples=samples, items=samples))
-        applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
-        _keras.keep_as_function_call(applied)
-        with tf.control_dependencies([applied]):
-            return tf.nest.map_structure(tf.identity, _keras.metrics_result(model))
+                                window_items=samples, **totals))
+        self.after_micro_step()  # ends a full window
+        return _keras.metrics_result(model)
+
+    def _create(self, make):
+        make()
+
+    def _make_buffers(self, parts):
+        if self.buffers is None:  # (another replica's thread may have made them)
+            self.buffers = WindowBuffers(parts, self.strategy)
 
     def _forward(self, x):
         if getattr(self.model, "_call_has_training_arg", True):
@@ -217,27 +250,42 @@ class GradientCache(OneDevice):
         return self.apply_window(self.state.local(), **extra_counts)
 
     def apply_window(self, window, **extra_counts):
-        model, optimizer = self.model, self._optimizer
-        counts = dict(self.state.counts.read())
         parts, seeds, sizes = self.buffers.read()
+        loss, output_grads = self._window_gradient(parts)
+        return self._apply_local(loss, output_grads, seeds, sizes, window, **extra_counts)
+
+    def _window_gradient(self, parts):
+        """The window's loss (as the large batch's step reports it) and its
+        gradient with respect to the window's outputs, loss-scaled."""
+        model = self.model
         outputs = parts["y_pred"]
         with tf.GradientTape() as tape:
             tape.watch(tf.nest.flatten(outputs))
-            loss = _keras.window_loss(model, parts["y"], outputs, parts["sample_weight"])
-            scaled = _keras.scaled_loss(optimizer, loss)
-        output_grads = tape.gradient(scaled, outputs)
+            # Keras divides a loss by the replicas (each replica's share of a
+            # batch): this one is the whole window's.
+            loss = _keras.compiled_loss(model, parts["y"], outputs, parts["sample_weight"])
+            loss = loss / tf.cast(self.state.loss_share, loss.dtype)
+            scaled = _keras.scaled_loss(self._optimizer, loss)
+        return loss, tape.gradient(scaled, outputs)
+
+    def _apply_local(self, loss, output_grads, seeds, sizes, window, **extra_counts):
+        """Replays this replica's micro-batches, applies the window, resets."""
+        model, optimizer = self.model, self._optimizer
+        counts = self._totals_before(window)
+        local = self.state.local()
         variables = list(model.trainable_variables)
         self._replay(output_grads, seeds, sizes, variables)
-        grads = self.state.accumulators.gradients()
+        grads = self._reduce(self.state.accumulators.gradients())
         gradient_scale = self._api.loss_scale(optimizer)  # before the update
-        self.applier(grads, self.state.variables, False)
+        self.applier(grads, self.state.variables, self.replicas > 1)
+        _keras.track_loss(model, loss, local["window_samples"])
         update = Update(
             grads=grads, variables=self.state.variables, gradient_scale=gradient_scale,
             window=window, counts=counts, iterations=_keras.iterations(optimizer),
             loss=tf.cast(loss, tf.float64), name_prefix=model.name + "/")
-        for observer in self.observers:
+        for observer in self.observers_here():
             observer.on_apply(update)
-        self._reset(window, window, optimizer_steps=1, **extra_counts)
+        self._reset(local, window, optimizer_steps=1, **extra_counts)
         return tf.constant(True)
 
     def _replay(self, output_grads, seeds, sizes, variables):
@@ -272,3 +320,38 @@ class GradientCache(OneDevice):
     def _reset(self, local, window, **extra_counts):
         super()._reset(local, window, **extra_counts)
         self.buffers.clear()
+
+
+class ReplicatedGradientCache(GradientCache, Replicas):
+    """Several replicas of one machine: negatives gathered across them, as CLIP does.
+
+    Each replica runs the forward passes of its share of every micro-batch
+    and keeps it. When the window ends (in the cross-replica context, see
+    `Replicas`), every replica's outputs are gathered, once per window, the
+    loss is computed over the global window (replica after replica: a
+    window-wide loss must not depend on the order of its samples), and each
+    replica replays its own micro-batches with its rows of that loss's
+    gradient; the replicas' sums are all-reduced once and applied.
+    """
+
+    def _create(self, make):
+        tf.distribute.get_replica_context().merge_call(make)
+
+    def end_window(self, window=None, **extra_counts):
+        parts, rows = self.buffers.read_replicas()
+        loss, output_grads = self._window_gradient(parts)
+        starts = tf.cumsum(rows, exclusive=True)
+        with self._api.own_reduction_off(self._optimizer):
+            _keras.for_each_replica(self.strategy, self._apply_on_replica,
+                                    args=(loss, output_grads, starts),
+                                    kwargs=dict(window=window, **extra_counts))
+        return tf.constant(True)
+
+    def _apply_on_replica(self, loss, output_grads, starts, window, **extra_counts):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        parts, seeds, sizes = self.buffers.read()
+        start = starts[replica]
+        stop = start + tf.reduce_sum(sizes)
+        mine = tf.nest.map_structure(lambda g: None if g is None else g[start:stop],
+                                     output_grads)
+        return self._apply_local(loss, mine, seeds, sizes, window, **extra_counts)

@@ -23,6 +23,7 @@ from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
 from tfaccum.gradient_cache import GradientCache
+from tfaccum.gradient_cache import ReplicatedGradientCache
 from tfaccum.step import StepError
 from tfaccum.step import StepTracer
 from tfaccum.window import WindowState
@@ -151,7 +152,9 @@ class AccumulationHook:
             checks.check_window_loss_meets(
                 model, self.window_loss, reduction=reduction, skip_nonfinite=skip_nonfinite,
                 accumulator_dtype=accumulator_dtype, observers=self.observers)
-            self._replication = GradientCache(
+            cache = (ReplicatedGradientCache if strategy.num_replicas_in_sync > 1
+                     else GradientCache)
+            self._replication = cache(
                 model, self.state, self._tracer.apply_gradients, self.observers)
         else:
             self._replication = replication.for_model(

@@ -258,7 +258,7 @@ class Replicas(OneDevice):
 
     def pending(self, run):
         """The open window summed over replicas: every worker must read it."""
-        if not self.state.traced:
+        if not self.traced:
             return super().pending(run)
         return run("pending", self.pending_graph)
 
