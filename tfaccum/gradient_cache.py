@@ -15,7 +15,9 @@ The train step of a model compiled with a `WindowLoss` (Gao et al. 2021,
    accumulators; the optimizer applies their sum once.
 
 The update is the large batch's; activations are held for one micro-batch
-at a time. Cost: one more forward pass per sample. One device only.
+at a time, with the window's inputs and outputs. Cost: one more forward pass
+per sample. With several replicas of one machine (`ReplicatedGradientCache`)
+the window's outputs are gathered across them once per window.
 """
 
 import tensorflow as tf
