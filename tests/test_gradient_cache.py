@@ -343,3 +343,26 @@ def test_a_dataset_trains_as_arrays_do():
     assert max_diff(reference, model) < 1e-5
     assert max_diff(arrays, model) < 1e-5
     assert max_diff(build(), model) > 1e-2
+
+
+def test_a_window_left_at_removal_is_not_carried_into_a_reinstalled_hook():
+    x, y = _data(20)
+
+    def batch(start, stop):
+        return [x[0][start:stop], x[1][start:stop]], y[start:stop]
+
+    model = build()
+    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=3)
+    for start in (0, 4):
+        model.train_on_batch(*batch(start, start + 4))
+    with pytest.warns(UserWarning, match="discards 2 micro-batches"):
+        hook.remove()
+    hook.reinstall()
+    for start in (8, 12, 16):
+        model.train_on_batch(*batch(start, start + 4))
+    assert hook.optimizer_steps == 1
+    hook.remove()
+    reference = build()
+    reference.train_on_batch(*batch(8, 20))
+    assert max_diff(reference, model) < 1e-5
+    assert max_diff(build(), model) > 1e-2

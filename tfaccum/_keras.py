@@ -848,12 +848,12 @@ def has_compiled_metrics(model):
 
 
 def compiled_loss(model, y, y_pred, sample_weight):
-    """The compiled loss of a whole window, updating no metric.
+    """The compiled loss of a whole window.
 
-    Keras 3: `Trainer._compute_loss` (private, 3.7-3.15; it divides by the
-    replicas under a strategy); tf_keras: `compiled_loss` called with no
-    metric update is not offered, so its `_losses` are not used: its loss
-    metric counts the window once (`track_loss` is a no-op there).
+    Keras 3: `Trainer._compute_loss` (private, 3.7-3.15), which divides by
+    the replicas under a strategy and updates no metric (`track_loss` does).
+    tf_keras: `Model.compute_loss` (public), whose compiled loss also
+    updates its own loss metric, as the large batch's step does.
     """
     if is_tf_keras_model(model):
         return model.compute_loss(None, y, y_pred, sample_weight)

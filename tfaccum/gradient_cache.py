@@ -323,6 +323,11 @@ class GradientCache(OneDevice):
         super()._reset(local, window, **extra_counts)
         self.buffers.clear()
 
+    def zero(self):
+        if self.buffers is not None:
+            with self.strategy.scope():
+                self.buffers.clear()
+
 
 class ReplicatedGradientCache(GradientCache, Replicas):
     """Several replicas of one machine: negatives gathered across them, as CLIP does.

