@@ -36,7 +36,7 @@ test: $(VENV)/.installed-test
 # A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.
 OLDEST := tensorflow==2.16.2 keras==3.7.0 tf_keras==2.16.0 tensorboard==2.16.2 protobuf==4.25.3
 OLDEST_VENV := .venv-oldest
-OLDEST_TESTS := tests/test_hook.py tests/test_window.py
+OLDEST_TESTS := tests/test_hook.py tests/test_window.py tests/test_gradient_cache.py
 
 $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST_VENV)
