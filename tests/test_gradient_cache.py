@@ -171,6 +171,28 @@ def _override():
     return model
 
 
+def _own_compute_loss():
+    class Own(keras.Model):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    model = Own([first, second], keras.layers.Concatenate()([_tower()(first), _tower()(second)]))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    return model
+
+
+def _masked_output():
+    """An output carrying a per-sample Keras mask (`Masking` on the joined inputs)."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    joined = keras.layers.Masking(0.0)(keras.layers.Concatenate()([first, second]))
+    model = keras.Model([first, second], keras.layers.Dense(8)(joined))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    return model
+
+
 def _batch_norm():
     keras.utils.set_random_seed(3)
     first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
@@ -189,6 +211,8 @@ REFUSED = [
     (lambda: build(metrics=[mean_output]), {}, r"cannot meet compiled `metrics=`"),
     (lambda: build(jit_compile=True), {}, r"cannot meet jit_compile=True.*jit_compile=False"),
     (_override, {}, r"cannot meet a `train_step` of its own"),
+    (_own_compute_loss, {}, r"cannot meet a `compute_loss` of its own"),
+    (_masked_output, {}, r"has an output with a Keras mask"),
     (_batch_norm, {}, r"cannot meet batch normalization \(layers \['batch_normalization"),
     (lambda: build(regularizer=keras.regularizers.L2(0.1)), {}, r"adds losses of its own \(`model.losses`"),
 ]
@@ -196,7 +220,8 @@ REFUSED = [
 
 @pytest.mark.parametrize("make, kwargs, message", REFUSED,
                          ids=["noise_scale", "reduction", "skip_nonfinite", "bfloat16", "metrics",
-                              "jit_compile", "train_step", "batch_norm", "regularizer"])
+                              "jit_compile", "train_step", "compute_loss", "masked_output",
+                              "batch_norm", "regularizer"])
 def test_what_a_window_loss_cannot_meet_is_refused_by_name(make, kwargs, message):
     x, y = _data(16)
     model = make()
@@ -367,3 +392,30 @@ def test_a_window_left_at_removal_is_not_carried_into_a_reinstalled_hook():
     reference.train_on_batch(*batch(8, 20))
     assert max_diff(reference, model) < 1e-5
     assert max_diff(build(), model) > 1e-2
+
+
+def test_a_new_layout_of_micro_batches_is_refused_not_ignored():
+    """Sample weights in a second `fit` would not reach the kept window: refused."""
+    x, y = _data(16)
+    model = build()
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2)
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+    with pytest.raises(RuntimeError, match=r"laid out differently .*sample_weight"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback],
+                  sample_weight=np.ones(16, "float32"))
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+
+
+def test_inputs_of_unknown_length_are_refused_by_name():
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((None,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 8)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(8)(pooled))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    lengths = [3, 5, 2, 4] * 4
+    dataset = tf.data.Dataset.from_generator(
+        lambda: ((np.ones(n, "int32"), np.float32(0)) for n in lengths),
+        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32)))
+    with pytest.raises(RuntimeError, match=r"fixed shape per sample.*Pad them to one length"):
+        model.fit(dataset.padded_batch(4), verbose=0, callbacks=[
+            tfaccum.GradientAccumulationCallback(accumulation_steps=2)])

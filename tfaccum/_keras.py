@@ -833,18 +833,28 @@ def random_layers(model):
 
 
 def has_compiled_metrics(model):
-    """Whether `compile` was given `metrics=` or `weighted_metrics=`.
+    """Whether `compile` was given (non-empty) `metrics=` or `weighted_metrics=`.
 
-    Public: `Model.compile`'s arguments as `compiled_metrics` (tf_keras) or
-    `_compile_metrics` (Keras 3.7-3.15, private).
+    Private: the metrics container (`_compile_metrics`, Keras 3.7-3.15;
+    `compiled_metrics`, tf_keras 2.16-2.21) and what it kept of `compile`'s
+    arguments (`_user_metrics`, `_user_weighted_metrics`).
     """
     container = getattr(model, "_compile_metrics", None)
     if container is None and is_tf_keras_model(model):
         container = getattr(model, "compiled_metrics", None)
-        return bool(container is not None and (
-            getattr(container, "_user_metrics", None)
-            or getattr(container, "_user_weighted_metrics", None)))
-    return container is not None
+    if container is None:
+        return False
+    return any(metric is not None
+               for name in ("_user_metrics", "_user_weighted_metrics")
+               for metric in tf.nest.flatten(getattr(container, name, None)))
+
+
+def computes_loss_as_keras(model):
+    """Whether `model`'s class keeps Keras' own `compute_loss` (no override)."""
+    for cls in type(model).__mro__:
+        if "compute_loss" in vars(cls):
+            return cls.__module__.split(".")[0] in ("keras", "tf_keras")
+    return True
 
 
 def compiled_loss(model, y, y_pred, sample_weight):

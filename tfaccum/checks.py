@@ -287,8 +287,16 @@ def check_window_loss_meets(model, loss, *, reduction, skip_nonfinite, accumulat
                "the window's loss is computed by tfaccum's step, which runs Keras' "
                "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
     if model.jit_compile:
-        refuse("jit_compile=True", "the window's buffers grow with each micro-batch, "
-               "which XLA's fixed shapes do not allow", "Compile with jit_compile=False.")
+        refuse("jit_compile=True (which Keras 3's default, \"auto\", picks on a GPU)",
+               "the window's buffers grow with each micro-batch, which XLA's fixed shapes "
+               "do not allow", "Compile with jit_compile=False.")
+    if replicas > 1 and _keras.may_hold_several_losses(model):
+        refuse(f"several compiled losses under a strategy with {replicas} replicas",
+               "the window's loss is taken whole and Keras' per-replica share undone for "
+               "it as one averaged loss", "Compile one loss, or train on one device.")
+    if not _keras.computes_loss_as_keras(model):
+        refuse("a `compute_loss` of its own", "the window's loss is computed from the "
+               "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
     if _keras.has_compiled_metrics(model):
         refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
                "yet (the loss is reported, as the large batch's)",

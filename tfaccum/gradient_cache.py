@@ -45,8 +45,7 @@ class _Buffer:
     def __init__(self, spec, name, strategy):
         self.element_shape = spec.shape[1:]
         self.dtype = spec.dtype
-        self._fixed = self.element_shape.is_fully_defined()
-        dims = [0] + [d if d is not None else 0 for d in self.element_shape.as_list()]
+        dims = [0] + self.element_shape.as_list()  # fully defined (the step checks)
         # With several replicas each keeps its own rows (written by handle).
         synchronization, aggregation = variable_options(strategy)
         options = dict(trainable=False, synchronization=synchronization, aggregation=aggregation)
@@ -60,13 +59,6 @@ class _Buffer:
     def append(self, held, rows):
         """Keeps `rows` after the first `held` rows."""
         rows = tf.cast(rows, self.dtype)
-        if not self._fixed:
-            # Unknown dimensions: a window's first rows set them (padded
-            # inputs of one length); the window is concatenated.
-            kept = self.variable.read_value()[:held]
-            self.variable.assign(tf.cond(held > 0, lambda: tf.concat([kept, rows], 0),
-                                         lambda: rows))
-            return
         need = held + tf.shape(rows, out_type=tf.int64)[0]
         capacity = self.capacity.read_value()
 
@@ -122,6 +114,26 @@ class WindowBuffers:
             self.held = tf.Variable(tf.zeros((2,), tf.int64), trainable=False,
                                     name="window_held", synchronization=synchronization,
                                     aggregation=aggregation)
+
+    def check(self, parts, model_name):
+        """Raises `StepError` if a step's parts are not laid out as the buffers'."""
+        structure = {name: value for name, value in parts.items()
+                     if name != "seeds" and value is not None}
+        try:
+            tf.nest.assert_same_structure(structure, self._structure)
+        except (ValueError, TypeError):
+            raise StepError(
+                f"Model {model_name!r} was traced again with micro-batches laid out "
+                "differently (e.g. sample weights or class weights in one `fit` and not "
+                "in another) while its window-wide loss kept the first layout. Received: "
+                f"{sorted(structure)}, kept: {sorted(self._structure)}. Fit it with one "
+                "layout, or install a new hook.") from None
+        for buffer, value in zip(self._buffers, tf.nest.flatten(structure)):
+            if not buffer.element_shape.is_compatible_with(value.shape[1:]):
+                raise StepError(
+                    f"Model {model_name!r} was traced again with a per-sample shape "
+                    f"{value.shape[1:]} where its window-wide loss kept "
+                    f"{buffer.element_shape}. Fit it with one shape per sample.")
 
     def append(self, parts, samples):
         held = self.held.read_value()
@@ -215,16 +227,12 @@ class GradientCache(OneDevice):
             self._seed_states = _keras.seed_states(model)
         seeds = [tf.convert_to_tensor(state) for state in self._seed_states]  # before it draws
         y_pred = self._forward(x)
-        if model.losses:
-            raise StepError(
-                f"Model {model.name!r} adds losses of its own (`model.losses`: "
-                "weight or activity regularizers, `add_loss`), which a window-wide "
-                "loss does not take yet: the window's loss would miss them. Remove "
-                "the regularizers, or compile with an ordinary loss.")
+        self._check_traced(x, y_pred)
         samples = count_samples(data)
         parts = dict(x=x, y=y, sample_weight=sample_weight, y_pred=y_pred, seeds=seeds)
         if self.buffers is None:
             self._create(lambda *_: self._make_buffers(parts))
+        self.buffers.check(parts, model.name)
         self.buffers.append(parts, samples)
         counts = self.state.counts
         totals = dict(samples=samples, items=samples) if self.totals_per_micro_batch else {}
@@ -232,6 +240,35 @@ class GradientCache(OneDevice):
                                 window_items=samples, **totals))
         self.after_micro_step()  # ends a full window
         return _keras.metrics_result(model)
+
+    def _check_traced(self, x, y_pred):
+        """Raises `StepError` for what the step shows it cannot replay or keep."""
+        model = self.model
+        if model.losses:
+            raise StepError(
+                f"Model {model.name!r} adds losses of its own (`model.losses`: "
+                "weight or activity regularizers, `add_loss`), which a window-wide "
+                "loss does not take yet: the window's loss would miss them. Remove "
+                "the regularizers, or compile with an ordinary loss.")
+        if len(_keras.seed_states(model)) != len(self._seed_states):
+            raise StepError(
+                f"Model {model.name!r} made seed generators in its first step (it was "
+                "built by it): their dropout masks could not be drawn again. Build the "
+                "model before `fit` (call it once on a batch, or give it an `Input`).")
+        masked = [getattr(output, "_keras_mask", None) is not None
+                  for output in tf.nest.flatten(y_pred)]
+        if any(masked):
+            raise StepError(
+                f"Model {model.name!r} has an output with a Keras mask, which a window-wide "
+                "loss does not keep for the window's loss yet: the loss would be computed "
+                "unmasked. Compile the masked output with an ordinary loss.")
+        for leaf in tf.nest.flatten(x):
+            if leaf is not None and not leaf.shape[1:].is_fully_defined():
+                raise StepError(
+                    f"A window-wide loss keeps the window's inputs, which must have a fixed "
+                    f"shape per sample. Received: an input of shape {leaf.shape} for model "
+                    f"{model.name!r}. Pad them to one length (e.g. `padded_batch` with "
+                    "`padded_shapes`, or `keras.utils.pad_sequences(maxlen=...)`).")
 
     def _create(self, make):
         make()
@@ -279,7 +316,11 @@ class GradientCache(OneDevice):
         self._replay(output_grads, seeds, sizes, variables)
         grads = self._reduce(self.state.accumulators.gradients())
         gradient_scale = self._api.loss_scale(optimizer)  # before the update
+        iterations = _keras.iterations(optimizer)
+        before = tf.convert_to_tensor(iterations)
         self.applier(grads, self.state.variables, self.replicas > 1)
+        # A LossScaleOptimizer skips a non-finite window, as the large batch's step.
+        applied = tf.cast(tf.convert_to_tensor(iterations) > before, tf.int64)
         _keras.track_loss(model, loss, local["window_samples"])
         update = Update(
             grads=grads, variables=self.state.variables, gradient_scale=gradient_scale,
@@ -287,7 +328,7 @@ class GradientCache(OneDevice):
             loss=tf.cast(loss, tf.float64), name_prefix=model.name + "/")
         for observer in self.observers_here():
             observer.on_apply(update)
-        self._reset(local, window, optimizer_steps=1, **extra_counts)
+        self._reset(local, window, optimizer_steps=applied, **extra_counts)
         return tf.constant(True)
 
     def _replay(self, output_grads, seeds, sizes, variables):

@@ -48,6 +48,10 @@ class AccumulationHook:
     runs inside the model's compiled train function; counters are read from
     the device only when you ask for them.
 
+    A model compiled with a `tfaccum.WindowLoss` (in-batch negatives) trains
+    through gradient caching instead (`tfaccum.gradient_cache`): the loss is
+    computed over the whole window, and the update is still the large batch's.
+
     The optimizer receives the gradient the large batch would have produced:
     the same values and the same type. A sparse (`IndexedSlices`) gradient,
     such as an embedding's, arrives as the window's rows in one

@@ -43,7 +43,7 @@ class WindowLoss:
         labels = tf.range(tf.shape(logits)[0])
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
 
-    model.compile(optimizer="adam", loss=tfaccum.WindowLoss(in_batch))
+    model.compile(optimizer="adam", loss=tfaccum.WindowLoss(in_batch), jit_compile=False)
     model.fit(x, y, batch_size=32, callbacks=[
         tfaccum.GradientAccumulationCallback(accumulation_steps=8)])  # 256 negatives
     ```
@@ -106,7 +106,8 @@ class InBatchSoftmax(WindowLoss):
     ```python
     outputs = keras.layers.Concatenate()([query_tower(q), document_tower(d)])
     model = keras.Model([q, d], outputs)
-    model.compile("adam", loss=tfaccum.InBatchSoftmax(temperature=0.05))
+    model.compile("adam", loss=tfaccum.InBatchSoftmax(temperature=0.05),
+                  jit_compile=False)  # not XLA (Keras 3's "auto" on a GPU)
     ```
     """
 
@@ -166,7 +167,7 @@ class NTXent(WindowLoss):
     ```python
     outputs = keras.layers.Concatenate()([encoder(view_1), encoder(view_2)])
     model = keras.Model([view_1, view_2], outputs)
-    model.compile("adam", loss=tfaccum.NTXent(temperature=0.5))
+    model.compile("adam", loss=tfaccum.NTXent(temperature=0.5), jit_compile=False)
     ```
     """
 
