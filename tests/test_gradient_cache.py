@@ -159,16 +159,21 @@ def mean_output(y_true, y_pred):
     return tf.reduce_mean(y_pred, axis=-1)
 
 
+def _subclassed(cls):
+    """The two towers as an instance of `cls` (a Model overriding one of Keras' steps)."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    model = cls([first, second], keras.layers.Concatenate()([_tower()(first), _tower()(second)]))
+    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
+    return model
+
+
 def _override():
     class Own(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
 
-    keras.utils.set_random_seed(3)
-    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
-    model = Own([first, second], keras.layers.Concatenate()([_tower()(first), _tower()(second)]))
-    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
-    return model
+    return _subclassed(Own)
 
 
 def _own_compute_loss():
@@ -176,11 +181,7 @@ def _own_compute_loss():
         def compute_loss(self, *args, **kwargs):
             return super().compute_loss(*args, **kwargs)
 
-    keras.utils.set_random_seed(3)
-    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
-    model = Own([first, second], keras.layers.Concatenate()([_tower()(first), _tower()(second)]))
-    model.compile("sgd", loss=tfaccum.InBatchSoftmax(), jit_compile=False)
-    return model
+    return _subclassed(Own)
 
 
 def _masked_output():

@@ -96,8 +96,7 @@ class WindowBuffers:
     """
 
     def __init__(self, parts, strategy):
-        self._structure = {name: value for name, value in parts.items()
-                           if name != "seeds" and value is not None}
+        self._structure = _kept(parts)
         flat = tf.nest.flatten(self._structure)
         self._buffers = [_Buffer(tf.TensorSpec.from_tensor(t), f"window_{i}", strategy)
                          for i, t in enumerate(flat)]
@@ -105,9 +104,10 @@ class WindowBuffers:
                                "window_seed", strategy) for s in parts["seeds"]]
         self._sizes = _Buffer(tf.TensorSpec([None], tf.int64), "window_sizes", strategy)
         self._strategy = strategy
-        is_input = tf.nest.flatten({name: tf.nest.map_structure(lambda _: name == "x", value)
-                                    for name, value in self._structure.items()})
-        self._input_buffers = [b for b, x in zip(self._buffers, is_input) if x]
+        # Which buffers hold the inputs `x` (read a micro-batch at a time).
+        self._is_input = tf.nest.flatten({
+            name: tf.nest.map_structure(lambda _: name == "x", value)
+            for name, value in self._structure.items()})
         synchronization, aggregation = variable_options(strategy)
         with tf.init_scope(), strategy.scope():
             # The window's rows (samples) and micro-batches held (this replica's).
@@ -117,8 +117,7 @@ class WindowBuffers:
 
     def check(self, parts, model_name):
         """Raises `StepError` if a step's parts are not laid out as the buffers'."""
-        structure = {name: value for name, value in parts.items()
-                     if name != "seeds" and value is not None}
+        structure = _kept(parts)
         try:
             tf.nest.assert_same_structure(structure, self._structure)
         except (ValueError, TypeError):
@@ -146,18 +145,21 @@ class WindowBuffers:
         self._sizes.append(held[1], tf.reshape(samples, [1]))
         self.held.assign_add(tf.stack([samples, tf.constant(1, tf.int64)]))
 
+    def _parts(self, flat):
+        """`{x, y, sample_weight, y_pred}` from one value per buffer (`x` left out)."""
+        parts = dict.fromkeys(("x", "y", "sample_weight", "y_pred"))
+        parts.update(tf.nest.pack_sequence_as(self._structure, flat))
+        parts["x"] = None
+        return parts
+
     def read(self):
         """`(parts, seeds, sizes)`: the window's parts as the step gave them, but its inputs.
 
         The inputs are read a micro-batch at a time (`inputs`).
         """
         held = self.held.read_value()
-        inputs = set(id(b) for b in self._input_buffers)
-        parts = dict.fromkeys(("x", "y", "sample_weight", "y_pred"))
-        parts.update(tf.nest.pack_sequence_as(
-            self._structure,
-            [None if id(b) in inputs else b.read(held[0]) for b in self._buffers]))
-        parts["x"] = None
+        parts = self._parts([None if is_input else b.read(held[0])
+                             for b, is_input in zip(self._buffers, self._is_input)])
         return parts, [b.read(held[1]) for b in self._seeds], self._sizes.read(held[1])
 
     def read_replicas(self):
@@ -165,18 +167,14 @@ class WindowBuffers:
         replica, and each replica's rows (one machine's replicas)."""
         strategy = self._strategy
         helds = [h.read_value() for h in strategy.experimental_local_results(self.held)]
-        inputs = set(id(b) for b in self._input_buffers)
-        flat = []
-        for buffer in self._buffers:
-            if id(buffer) in inputs:
-                flat.append(None)
-                continue
+
+        def gathered(buffer):
             components = strategy.experimental_local_results(buffer.variable)
-            flat.append(tf.concat([buffer.read(held[0], component)
-                                   for held, component in zip(helds, components)], 0))
-        parts = dict.fromkeys(("x", "y", "sample_weight", "y_pred"))
-        parts.update(tf.nest.pack_sequence_as(self._structure, flat))
-        parts["x"] = None
+            return tf.concat([buffer.read(held[0], component)
+                              for held, component in zip(helds, components)], 0)
+
+        parts = self._parts([None if is_input else gathered(b)
+                             for b, is_input in zip(self._buffers, self._is_input)])
         return parts, tf.stack([held[0] for held in helds])
 
     def inputs(self, start, stop):
@@ -186,12 +184,18 @@ class WindowBuffers:
         (scatter) copies itself whole on every read (TensorFlow's
         copy-on-read mode), which would hold the window's inputs twice.
         """
-        inputs = set(id(b) for b in self._input_buffers)
-        flat = [b.gather(start, stop) if id(b) in inputs else None for b in self._buffers]
+        flat = [b.gather(start, stop) if is_input else None
+                for b, is_input in zip(self._buffers, self._is_input)]
         return tf.nest.pack_sequence_as(self._structure, flat)["x"]
 
     def clear(self):
         self.held.assign(tf.zeros((2,), tf.int64))
+
+
+def _kept(parts):
+    """What a window keeps per sample: the step's parts but seeds, and none that is `None`."""
+    return {name: value for name, value in parts.items()
+            if name != "seeds" and value is not None}
 
 
 class GradientCache(OneDevice):
