@@ -57,6 +57,7 @@ class OneDevice:
         self.skip_nonfinite = skip_nonfinite
         self._optimizer = model.optimizer
         self._api = _keras.api_for(model)
+        self._window_end = None  # `end_window`, traced once (see `_end_traced`)
 
     @property
     def traced(self):
@@ -88,8 +89,25 @@ class OneDevice:
 
     def after_micro_step(self):
         """Ends the window if it is full (inside the step)."""
-        applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
+        applied = tf.cond(self.state.is_full(), lambda: self._end_traced(flushes=0),
+                          lambda: tf.constant(False))
         _keras.keep_as_function_call(applied)
+
+    def _end_traced(self, flushes):
+        """`end_window` as one function, traced once per hook.
+
+        Keras traces the step again for a short last batch, and a flush runs
+        a graph of its own: each called the same function, so the optimizer's
+        update (the largest part of the step's graph) is traced once, not
+        once per trace (a third of a small model's `fit` time on CPU).
+        """
+        if self._window_end is None:
+            def window_end(flushes):
+                return self.end_window(self._window_to_end(), flushes=flushes)
+
+            self._window_end = (window_end if self.model.run_eagerly
+                                else tf.function(window_end, autograph=False))
+        return self._window_end(tf.constant(flushes, tf.int64))
 
     # -- ending a window --------------------------------------------------------------
 
@@ -162,8 +180,12 @@ class OneDevice:
     def flush_graph(self):
         """Ends the open window (run only when `pending` found micro-batches in it)."""
         window = self.state.reduced()
-        self.end_window(window, flushes=1)
+        self._end_traced(flushes=1)
         return window["window_micro_batches"], window["window_samples"]
+
+    def _window_to_end(self):
+        """What `end_window` is given (one device: nothing, it reads its own)."""
+        return None
 
     def drop_graph(self):
         window = self.state.reduced()
@@ -306,11 +328,21 @@ class Replicas(OneDevice):
         # window: read this worker's own; counts are reduced only when the
         # window is applied.
         def decide(strategy):
-            return tf.cond(self.state.is_full(),
-                           lambda: self.end_window(self.state.reduced()),
+            return tf.cond(self.state.is_full(), lambda: self._end_traced(flushes=0),
                            lambda: tf.constant(False))
 
         tf.distribute.get_replica_context().merge_call(decide)
+
+    def _window_to_end(self):
+        return self.state.reduced()
+
+    def _end_traced(self, flushes):
+        if len(self.strategy.extended.worker_devices) < self.replicas:
+            # Across machines the window's end stays in the calling graph: in
+            # a function of its own, its collectives fail to run (TF 2.21,
+            # "You must feed a value for placeholder tensor").
+            return self.end_window(self.state.reduced(), flushes=flushes)
+        return super()._end_traced(flushes)
 
     def end_window(self, window=None, **extra_counts):
         """Ends the window on every replica, from its reduced counts (cross-replica).
