@@ -32,6 +32,18 @@ def data():
     return make_data()
 
 
+# Longest first: the files that run whole scripts in fresh processes (and the
+# keras_hub tasks) start while the many short tests wait, so that the two
+# workers finish together rather than one waiting on the other's last script.
+SLOW_FIRST = ("test_examples_models.py", "test_tf_keras.py", "test_examples.py",
+              "test_keras_hub.py", "test_fuzz.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable
+
+
 def pytest_report_header(config):
     return f"Keras under test: {KERAS} {getattr(keras, '__version__', '')}"
 

@@ -263,7 +263,7 @@ def test_two_optimizers_get_an_error_that_says_what_is_supported():
     assert "train_step" not in model.__dict__
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.once)])
 def test_the_window_end_is_traced_once_per_hook(monkeypatch, data, replicas):
     """Keras traces the short last batch's step again, and the flush runs a graph
     of its own: all of them call the window's end traced the first time."""

@@ -84,7 +84,9 @@ def compare(build, x, y, epochs=2, sample_weight=None, callback_kwargs=None, **f
 
 # Plain SGD and Adam are in the tests below (ignore_class, masking, weights,
 # partial windows, steps_per_execution).
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw_clipnorm"])
+# On tf_keras one optimizer each (the core re-checks; see conftest's `once`).
+@pytest.mark.parametrize("optimizer", [pytest.param("sgd_momentum", marks=pytest.mark.once),
+                                       "adamw_clipnorm"])
 def test_embedding_mask_step_for_step(optimizer):
     tokens, labels, _, _ = sequences()
     results = compare(lambda: sequence_model(optimizer), tokens, labels)
@@ -214,7 +216,8 @@ def two_heads(optimizer="sgd", seed=0):
     return model
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw_clipnorm"])
+@pytest.mark.parametrize("optimizer", [pytest.param("sgd_momentum", marks=pytest.mark.once),
+                                       "adamw_clipnorm"])
 def test_several_differently_masked_outputs_step_for_step(optimizer):
     tokens, labels, _, _ = sequences()
     y = {"per_token": labels, "per_sequence": labels.mean(axis=1, keepdims=True)}
