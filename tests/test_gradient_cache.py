@@ -121,6 +121,23 @@ def test_a_window_of_micro_batches_is_the_large_batch(case):
         assert callback.flushes == 2
 
 
+@pytest.mark.once
+def test_a_one_sample_micro_batch_and_a_weightless_one_are_the_large_batch():
+    """Degenerate windows: the last micro-batch holds one sample (its window of
+    one has no negatives), and a whole micro-batch weighs 0 (its samples stay
+    negatives for the others, as in the large batch)."""
+    n = 37  # micro-batches of 4: the tenth holds one sample, flushed alone
+    x, y = _data(n)
+    sample_weight = np.ones(n, "float32")
+    sample_weight[4:8] = 0.0
+    result = compare(lambda: build("clip", "adamw"), x, y, micro=4, steps=3, epochs=2,
+                     sample_weight=sample_weight)
+    assert [len(update) for update in result.updates[:4]] == [12, 12, 12, 1]
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build("clip", "adamw")) > 1e-2
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())
+
+
 def test_the_reported_loss_is_the_large_batch_loss():
     x, y = _data(36)
     model = build()
