@@ -323,6 +323,25 @@ def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
     assert result.moved(lambda: build(optimizer="adamw")) > 1e-2
 
 
+@pytest.mark.keras3
+def test_a_window_the_loss_scale_skips_is_not_an_update(mixed_precision):
+    """A loss scale so large that every window's gradient overflows in float16:
+    `LossScaleOptimizer` skips each window and lowers its scale, as it would
+    the large batch; no update is counted and no weight moves."""
+    x, y = _data(24)  # 6 micro-batches of 4: two windows of 3
+    model = build()
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5),
+                                                    initial_scale=2.0**60)
+    model.compile(optimizer, loss=LOSSES["in_batch"](), jit_compile=False)
+    before = model.get_weights()
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=3)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert (callback.micro_steps, callback.optimizer_steps) == (6, 0)
+    assert int(optimizer.iterations.numpy()) == 0
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**58  # lowered once per window
+    assert max_diff(before, model.get_weights()) == 0
+
+
 def test_the_dashboard_shows_the_window_loss(tmp_path):
     from test_summary import read_run
     from test_summary import values
