@@ -97,13 +97,13 @@ class OneDevice:
         """`end_window` as one function, traced once per hook.
 
         Keras traces the step again for a short last batch, and a flush runs
-        a graph of its own: each called the same function, so the optimizer's
+        a graph of its own: each calls the same function, so the optimizer's
         update (the largest part of the step's graph) is traced once, not
         once per trace (0.6 s of a small model's 4.5 s two-epoch `fit` on CPU).
         """
         if self._window_end is None:
             def window_end(flushes):
-                return self.end_window(self._window_to_end(), flushes=flushes)
+                return self.end_window(flushes=flushes)
 
             self._window_end = (window_end if self.model.run_eagerly
                                 else tf.function(window_end, autograph=False))
@@ -182,10 +182,6 @@ class OneDevice:
         window = self.state.reduced()
         self._end_traced(flushes=1)
         return window["window_micro_batches"], window["window_samples"]
-
-    def _window_to_end(self):
-        """What `end_window` is given (one device: nothing, it reads its own)."""
-        return None
 
     def drop_graph(self):
         window = self.state.reduced()
@@ -333,16 +329,12 @@ class Replicas(OneDevice):
 
         tf.distribute.get_replica_context().merge_call(decide)
 
-    def _window_to_end(self):
-        return self.state.reduced()
-
     def _end_traced(self, flushes):
-        if len(self.strategy.extended.worker_devices) < self.replicas:
-            # Across machines the window's end stays in the calling graph: in
-            # a function of its own, its collectives fail to run (TF 2.21,
-            # "You must feed a value for placeholder tensor").
-            return self.end_window(self.state.reduced(), flushes=flushes)
-        return super()._end_traced(flushes)
+        # Inline: in a function of its own, the window's all-reduce fails to
+        # run where it uses collective ops ("You must feed a value for
+        # placeholder tensor", TF 2.21: MultiWorkerMirroredStrategy, and
+        # MirroredStrategy with its default cross-device ops on CPUs).
+        return self.end_window(self.state.reduced(), flushes=flushes)
 
     def end_window(self, window=None, **extra_counts):
         """Ends the window on every replica, from its reduced counts (cross-replica).
