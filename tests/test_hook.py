@@ -262,24 +262,3 @@ def test_two_optimizers_get_an_error_that_says_what_is_supported():
                   callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
     assert "train_step" not in model.__dict__
 
-
-def test_the_window_end_is_traced_once_per_hook(monkeypatch, data):
-    """Keras traces the short last batch's step again, and the flush runs a graph
-    of its own: on one device all of them call the window's end traced the first
-    time. (Several replicas trace it inline: as a function of its own, its
-    collective all-reduce fails to run.)"""
-    from tfaccum import replication
-
-    end_window, traces = replication.OneDevice.end_window, []
-
-    def counted(self, *args, **kwargs):
-        traces.append(kwargs)
-        return end_window(self, *args, **kwargs)
-
-    monkeypatch.setattr(replication.OneDevice, "end_window", counted)
-    x, y = data  # 100 samples: 12 micro-batches of 8 and one of 4 an epoch
-    model = make_model(optimizer="adam")
-    callback = GradientAccumulationCallback(accumulation_steps=3)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
-    assert (callback.optimizer_steps, callback.flushes) == (10, 2)
-    assert len(traces) == 1

@@ -57,7 +57,6 @@ class OneDevice:
         self.skip_nonfinite = skip_nonfinite
         self._optimizer = model.optimizer
         self._api = _keras.api_for(model)
-        self._window_end = None  # `end_window`, traced once (see `_end_traced`)
 
     @property
     def traced(self):
@@ -89,25 +88,8 @@ class OneDevice:
 
     def after_micro_step(self):
         """Ends the window if it is full (inside the step)."""
-        applied = tf.cond(self.state.is_full(), lambda: self._end_traced(flushes=0),
-                          lambda: tf.constant(False))
+        applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
         _keras.keep_as_function_call(applied)
-
-    def _end_traced(self, flushes):
-        """`end_window` as one function, traced once per hook.
-
-        Keras traces the step again for a short last batch, and a flush runs
-        a graph of its own: each calls the same function, so the optimizer's
-        update (the largest part of the step's graph) is traced once, not
-        once per trace (0.6 s of a small model's 4.5 s two-epoch `fit` on CPU).
-        """
-        if self._window_end is None:
-            def window_end(flushes):
-                return self.end_window(flushes=flushes)
-
-            self._window_end = (window_end if self.model.run_eagerly
-                                else tf.function(window_end, autograph=False))
-        return self._window_end(tf.constant(flushes, tf.int64))
 
     # -- ending a window --------------------------------------------------------------
 
@@ -180,7 +162,7 @@ class OneDevice:
     def flush_graph(self):
         """Ends the open window (run only when `pending` found micro-batches in it)."""
         window = self.state.reduced()
-        self._end_traced(flushes=1)
+        self.end_window(window, flushes=1)
         return window["window_micro_batches"], window["window_samples"]
 
     def drop_graph(self):
@@ -324,17 +306,11 @@ class Replicas(OneDevice):
         # window: read this worker's own; counts are reduced only when the
         # window is applied.
         def decide(strategy):
-            return tf.cond(self.state.is_full(), lambda: self._end_traced(flushes=0),
+            return tf.cond(self.state.is_full(),
+                           lambda: self.end_window(self.state.reduced()),
                            lambda: tf.constant(False))
 
         tf.distribute.get_replica_context().merge_call(decide)
-
-    def _end_traced(self, flushes):
-        # Inline: in a function of its own, the window's all-reduce fails to
-        # run where it uses collective ops ("You must feed a value for
-        # placeholder tensor", TF 2.21: MultiWorkerMirroredStrategy, and
-        # MirroredStrategy with its default cross-device ops on CPUs).
-        return self.end_window(self.state.reduced(), flushes=flushes)
 
     def end_window(self, window=None, **extra_counts):
         """Ends the window on every replica, from its reduced counts (cross-replica).
