@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import reference as oracle
 from reference import keras
 from reference import make_data
 from reference import make_model
@@ -63,6 +64,38 @@ def test_flush_normalises_by_what_the_window_holds():
     assert hook.flush() == tfaccum.Window(0, 0)  # nothing left: no update
     assert hook.flushes == 1 and int(model.optimizer.iterations) == 1
     hook.remove()
+
+
+class ApplyRecorder(tfaccum.observers.WindowObserver):
+    """Records, for each `on_apply` call, whether it ran eagerly (else: traced)."""
+
+    def __init__(self):
+        self.eagerly = []
+
+    def on_apply(self, update):
+        self.eagerly.append(tf.executing_eagerly())
+
+
+def test_the_first_two_flushes_run_eagerly_and_later_ones_compiled():
+    """A flush traced for one or two uses costs more than it saves (fine-tuning
+    runs an epoch or two); a third is compiled once. Both are the large batch."""
+    x, y = make_data(n=30)  # 8 micro-batches of 4 an epoch: windows of 3, 3 and a flushed 2
+    model, reference = make_model(optimizer="adam"), make_model(optimizer="adam")
+    recorder = ApplyRecorder()
+    hook = tfaccum.AccumulationHook(model, accumulation_steps=3, observers=[recorder])
+    traced = []
+    for _ in range(4):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        assert hook.flush() == tfaccum.Window(2, 6)
+        traced.append(recorder.eagerly.count(False))
+    hook.remove()
+    assert hook.flushes == 4 and hook.optimizer_steps == 12
+    assert recorder.eagerly.count(True) == 2  # the first two flushes
+    # Traced: the step's window end (once per step trace), the third flush once.
+    assert traced[1] == traced[0] and traced[3] == traced[2] == traced[1] + 1
+    theirs = oracle.train_large_batches(reference, x, y, oracle.windows(30, 4, 3, epochs=4))
+    assert max_weight_diff(model, theirs[-1]) < 1e-6
+    assert max_weight_diff(model, make_model(optimizer="adam")) > 1e-2  # it trained
 
 
 def test_drop_discards_and_counts():

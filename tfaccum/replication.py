@@ -47,6 +47,8 @@ class OneDevice:
     # Whether the hook's totals (samples, items, left-out micro-batches) are
     # counted as a micro-batch is added; else from the reduced window.
     totals_per_micro_batch = True
+    # Whether a flush or a drop may run eagerly (op by op, untraced).
+    ends_eagerly = True
 
     def __init__(self, model, state, applier, observers, *, skip_nonfinite):
         self.model = model
@@ -198,6 +200,7 @@ class Replicas(OneDevice):
     """
 
     totals_per_micro_batch = False
+    ends_eagerly = False  # merge_call and collectives: always in a function
 
     def __init__(self, model, state, applier, observers, *, skip_nonfinite):
         super().__init__(model, state, applier, observers, skip_nonfinite=skip_nonfinite)
