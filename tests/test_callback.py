@@ -340,6 +340,26 @@ def test_a_built_model_traces_its_step_once(optimizer):
     assert callback.optimizer_steps == 6  # windows of 4, 4 and a flushed 2, twice
 
 
+@pytest.mark.parametrize("sparse_gradients", ["rows", "dense"])
+def test_an_embedding_model_traces_its_step_once(sparse_gradients):
+    # An embedding table's gradient is sparse: its rows are made ahead too
+    # (beside a dense accumulator; the trace keeps the one it uses).
+    rng = np.random.default_rng(0)
+    tokens, y = rng.integers(0, 20, (40, 6)), rng.normal(size=(40, 1)).astype("float32")
+    counter = TraceCounter()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4), counter,
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    callback = GradientAccumulationCallback(accumulation_steps=4,
+                                            sparse_gradients=sparse_gradients)
+    built = counter.traces
+    model.fit(tokens, y, batch_size=5, epochs=2, verbose=0, callbacks=[callback])
+    assert counter.traces - built == 1
+    assert callback.optimizer_steps == 4  # windows of 4 and 4, twice
+
+
 def test_variables_are_made_ahead_only_for_keras_own_step():
     # A step of one's own may apply other variables than
     # `model.trainable_variables`: its optimizer is left to build in it.

@@ -130,6 +130,26 @@ def test_nbytes_is_what_the_accumulators_hold():
     assert dense.nbytes() == 1000 * 4 * 4
 
 
+def test_rows_made_ahead_are_taken_by_the_trace_which_then_makes_no_variable():
+    window = AccumulationWindow(tf.distribute.get_strategy())
+    table, tied = tf.Variable(tf.zeros((1000, 4))), tf.Variable(tf.zeros((50, 4)))
+    window.create_dense([table, tied], provisional=True)
+    window.create_rows([table, tied])  # `tied` will get a dense gradient
+    made = []
+
+    def creator(next_creator, **kwargs):
+        made.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    rows = tf.IndexedSlices(tf.ones((6, 4)), tf.range(6), tf.constant([1000, 4]))
+    with tf.variable_creator_scope(creator):
+        window.track([rows, tf.ones((50, 4))], [table, tied])
+    assert made == []
+    assert window.uses_rows(table) and not window.uses_rows(tied)
+    window.add([rows, tf.ones((50, 4))], [table, tied])
+    assert window.nbytes() == 6 * (4 * 4 + 8) + 50 * 4 * 4  # the table's dense copy is gone
+
+
 def test_accumulators_made_ahead_follow_what_the_step_gives():
     # Made before the first trace (the step then traces once): the trace
     # keeps a dense one, gives a sparse gradient its rows, and drops one

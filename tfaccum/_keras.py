@@ -411,6 +411,24 @@ def flatten_layers(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
+def embedding_tables(model):
+    """The trainable tables of `model`'s Embedding layers (Keras 3 or tf_keras).
+
+    What a train step usually gives sparse (`IndexedSlices`) gradients: a
+    table looked up with `gather`. Subclasses count (keras_hub's
+    `ReversibleEmbedding`, whose tied table may get a dense one instead).
+    """
+    tables = []
+    for layer in flatten_layers(model):
+        is_embedding = any(cls.__name__ == "Embedding"
+                           and cls.__module__.split(".")[0] in ("keras", "tf_keras")
+                           for cls in type(layer).__mro__)
+        table = getattr(layer, "embeddings", None)
+        if is_embedding and table is not None and layer.trainable:
+            tables.append(table)
+    return tables
+
+
 def regularized_weights(model):
     """Names of `model`'s trainable weights that carry a weight regularizer.
 

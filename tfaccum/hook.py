@@ -176,11 +176,12 @@ class AccumulationHook:
         self._install()
 
     def _make_variables_ahead(self, api):
-        """Makes the optimizer's variables and dense accumulators now.
+        """Makes the optimizer's variables and the accumulators now.
 
         A `tf.function` that makes variables on its first call traces twice;
         made here, Keras' own step on a built model traces once (Keras itself
-        builds the optimizer in its first trace on one device).
+        builds the optimizer in its first trace on one device). Embedding
+        tables get rows as well as a dense accumulator; the trace keeps one.
         """
         model = self.model
         if not model.built or not _keras.trains_with_keras_step(model):
@@ -188,6 +189,8 @@ class AccumulationHook:
         with tf.init_scope(), model.distribute_strategy.scope():
             api.build_optimizer(model.optimizer, model.trainable_variables)
             self.window.create_dense(model.trainable_variables, provisional=True)
+            if model.distribute_strategy.num_replicas_in_sync == 1:  # replicas: dense
+                self.window.create_rows(_keras.embedding_tables(model))
 
     # -- installation ---------------------------------------------------
 

@@ -314,6 +314,7 @@ class AccumulationWindow:
         # Made ahead of the first trace (`create_dense(provisional=True)`),
         # kept once a traced step shows each gets a dense gradient.
         self._provisional = set()
+        self._provisional_rows = {}  # id(variable) -> _RowAccumulator, made ahead
         with tf.init_scope(), strategy.scope():
             # The window's micro-batch losses, each times its items and
             # each times its samples (for a window of no items at all).
@@ -351,6 +352,7 @@ class AccumulationWindow:
         for key in self._provisional - used:  # made ahead, but the step gives it nothing
             del self._accumulators[key]
         self._provisional.clear()
+        self._provisional_rows.clear()  # those the step did not take
 
     def create_dense(self, variables, provisional=False):
         """Makes dense accumulators for `variables` now (outside any step).
@@ -364,13 +366,33 @@ class AccumulationWindow:
                 self._provisional.add(id(variable))
             self._accumulator(variable, sparse=False)
 
+    def create_rows(self, variables):
+        """Makes row accumulators for `variables` now, beside their dense ones.
+
+        For the variables a step will probably give sparse gradients
+        (embedding tables), made ahead of its first trace with
+        `create_dense(provisional=True)`: the trace keeps whichever the
+        gradient needs, so it makes no variable either way. Rows start
+        empty (a few bytes).
+        """
+        if not self.sparse_rows:
+            return
+        for variable in variables:
+            key = id(variable)
+            if key in self._provisional and key not in self._provisional_rows:
+                with tf.init_scope(), self.strategy.scope():
+                    self._provisional_rows[key] = _RowAccumulator(
+                        variable, *self._variable_options)
+
     def _accumulator(self, variable, sparse):
         key = id(variable)
         rows = sparse and self.sparse_rows
         accumulator = self._accumulators.get(key)
         if key in self._provisional and rows:
             self._provisional.discard(key)
-            accumulator = None
+            accumulator = self._provisional_rows.pop(key, None)
+            if accumulator is not None:
+                self._accumulators[key] = accumulator
         if accumulator is None:
             with tf.init_scope(), self.strategy.scope():
                 if rows:  # rows stay float32: they hold only the window's looked-up rows
