@@ -63,8 +63,13 @@ def fit_mirrored(optimizer, x, y, strategy=None, sample_weight=None, epochs=3, l
                    callback_kwargs=callback_kwargs)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [100, 99], ids=["even-last-batch", "uneven-last-batch"])
+# On tf_keras one even and one uneven last batch, each optimizer once.
+@pytest.mark.parametrize("optimizer, n", [
+    pytest.param("sgd_momentum", 100, id="even-last-batch-sgd_momentum"),
+    pytest.param("adam", 100, id="even-last-batch-adam", marks=pytest.mark.once),
+    pytest.param("sgd_momentum", 99, id="uneven-last-batch-sgd_momentum", marks=pytest.mark.once),
+    pytest.param("adam", 99, id="uneven-last-batch-adam"),
+])
 def test_mirrored_equals_the_single_device_large_batch(optimizer, n):
     # 99 samples end in a micro-batch of 3, split 2 and 1 between the replicas:
     # weighting by samples must count both replicas' samples.
@@ -143,6 +148,7 @@ def test_a_micro_step_reduces_nothing_more_than_a_plain_step():
     hook.remove()
 
 
+@pytest.mark.once  # the window's policies, not the optimizer's: alike on both
 def test_leftover_drop_and_carry_under_mirrored():
     x, y = make_data()
     for leftover in ("drop", "carry"):
@@ -168,7 +174,10 @@ CLIPPING = {
 }
 
 
-@pytest.mark.parametrize("clipping", sorted(CLIPPING))
+# clipvalue takes clipnorm's path in both optimizers (tf_keras: Keras 3 only).
+@pytest.mark.parametrize("clipping", [
+    pytest.param(name, marks=[pytest.mark.once] if name == "clipvalue" else [])
+    for name in sorted(CLIPPING)])
 def test_clipping_applies_to_the_all_reduced_window(clipping):
     # One device at the large batch clips the whole batch's gradient; plain
     # Keras 3 under MirroredStrategy clips each replica's share before summing.
@@ -259,7 +268,9 @@ def test_mixed_precision_leaves_out_one_replicas_share(mixed_precision):
     assert pair.updates == [list(range(0, 8)) + list(range(12, 32))]
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+# bfloat16 needs no loss scale: a dtype, alike on both (tf_keras: Keras 3 only).
+@pytest.mark.parametrize("policy", [
+    "mixed_float16", pytest.param("mixed_bfloat16", marks=pytest.mark.once)])
 def test_mixed_precision_equals_one_device(policy):
     keras.mixed_precision.set_global_policy(policy)
     try:

@@ -179,7 +179,9 @@ class TokenMeanLoss(keras.losses.Loss):
         return tf.reduce_sum(per_token) / items
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["count_items", "without"])
+@pytest.mark.parametrize("counted", [
+    pytest.param(True, id="count_items"),
+    pytest.param(False, id="without", marks=pytest.mark.once)])
 def test_custom_loss_says_what_it_averages_over(counted):
     tokens, _, ignored, _ = sequences()
     ignored[ignored == -100] = -1
@@ -273,7 +275,8 @@ def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
     np.testing.assert_allclose(values(read_run(log_dir)[0], "window_loss"), large, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [1, 2], ids=["one-output", "two-outputs"])
+@pytest.mark.parametrize("heads", [
+    pytest.param(1, id="one-output", marks=pytest.mark.once), pytest.param(2, id="two-outputs")])
 def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
     """Recorded per update: the loss the large batch reports, point for point."""
     from test_summary import read_run
