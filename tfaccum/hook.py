@@ -189,8 +189,8 @@ class AccumulationHook:
         with tf.init_scope(), model.distribute_strategy.scope():
             api.build_optimizer(model.optimizer, model.trainable_variables)
             self.window.create_dense(model.trainable_variables, provisional=True)
-            if model.distribute_strategy.num_replicas_in_sync == 1:  # replicas: dense
-                self.window.create_rows(_keras.embedding_tables(model))
+            # Replicas made theirs dense for good (`prepare`): no rows there.
+            self.window.create_rows(_keras.embedding_tables(model))
 
     # -- installation ---------------------------------------------------
 

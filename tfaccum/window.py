@@ -380,9 +380,7 @@ class AccumulationWindow:
         for variable in variables:
             key = id(variable)
             if key in self._provisional and key not in self._provisional_rows:
-                with tf.init_scope(), self.strategy.scope():
-                    self._provisional_rows[key] = _RowAccumulator(
-                        variable, *self._variable_options)
+                self._provisional_rows[key] = self._new_accumulator(variable, rows=True)
 
     def _accumulator(self, variable, sparse):
         key = id(variable)
@@ -391,18 +389,17 @@ class AccumulationWindow:
         if key in self._provisional and rows:
             self._provisional.discard(key)
             accumulator = self._provisional_rows.pop(key, None)
-            if accumulator is not None:
-                self._accumulators[key] = accumulator
         if accumulator is None:
-            with tf.init_scope(), self.strategy.scope():
-                if rows:  # rows stay float32: they hold only the window's looked-up rows
-                    accumulator = _RowAccumulator(variable, *self._variable_options)
-                else:
-                    cls = (_BFloat16Accumulator if self.dtype == tf.bfloat16
-                           else _DenseAccumulator)
-                    accumulator = cls(variable, *self._variable_options, dtype=self.dtype)
-            self._accumulators[key] = accumulator
+            accumulator = self._new_accumulator(variable, rows)
+        self._accumulators[key] = accumulator
         return accumulator
+
+    def _new_accumulator(self, variable, rows):
+        with tf.init_scope(), self.strategy.scope():
+            if rows:  # rows stay float32: they hold only the window's looked-up rows
+                return _RowAccumulator(variable, *self._variable_options)
+            cls = _BFloat16Accumulator if self.dtype == tf.bfloat16 else _DenseAccumulator
+            return cls(variable, *self._variable_options, dtype=self.dtype)
 
     def has_accumulator(self, variable):
         return id(variable) in self._accumulators
