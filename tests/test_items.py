@@ -6,6 +6,7 @@ own; the large batch divides once by the window's total. Under
 Every test here also checks that sample weighting alone is measurably off.
 """
 
+import collections
 import re
 import warnings
 
@@ -20,6 +21,8 @@ from reference import max_diff
 
 import tfaccum
 from tfaccum import GradientAccumulationCallback
+from tfaccum import reduction
+from tfaccum import window
 
 TOL = 1e-5
 N, T, VOCAB, CLASSES = 50, 10, 20, 5  # 13 micro-batches of 4: the last holds 2
@@ -198,6 +201,51 @@ def test_custom_loss_says_what_it_averages_over(counted):
         # A loss that divides by its own count without saying so is weighted
         # by samples: measurably not the large batch (and warned about).
         assert results["auto"] > 1e-3
+
+
+# (loss, labels, per-token weights): whether every micro-batch with a sample counts an item
+COUNT_CASES = {
+    "per-token": (dict(mask_zero=False), "labels", False, True),
+    "per-token-weights": (dict(mask_zero=False), "labels", True, True),
+    "mask": (dict(mask_zero=True), "labels", False, False),
+    "ignore_class": (dict(mask_zero=False, ignore_class=-100), "ignored", False, False),
+    "count_items": (None, "ignored", False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(COUNT_CASES))
+def test_only_a_count_that_may_be_zero_is_asked_whether_it_counted(case, monkeypatch):
+    """A loss over a fixed number of elements per sample counts some in every
+    micro-batch that holds a sample: its step traces neither the branch that
+    empties a window of micro-batches that counted nothing nor the weighting of
+    such a micro-batch, and weighs each by its items. A mask, `ignore_class`
+    and `count_items()` may count 0 and keep both. Each the large batch."""
+    model_kwargs, labels, weighted, every_sample_counts = COUNT_CASES[case]
+    tokens, plain, ignored, padding = sequences()
+    y = plain if labels == "labels" else ignored
+    if case == "count_items":
+        y = np.where(ignored == -100, -1, ignored)
+
+        def build():
+            model = sequence_model(mask_zero=False)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=TokenMeanLoss(True))
+            return model
+    else:
+        def build():
+            return sequence_model(**model_kwargs)
+    traced = collections.Counter()
+    for owner, name in ((window.WindowState, "_forget_uncounted"), (reduction.Auto, "weight")):
+        def spy(*args, _original=getattr(owner, name), _name=name, **kwargs):
+            traced[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, spy)
+    pair = oracle.compare(build, tokens, y, micro=MICRO, steps=STEPS, epochs=1,
+                          sample_weight=(~padding).astype("float32") if weighted else None)
+    assert pair.diff < TOL
+    if every_sample_counts:
+        assert traced == {}, traced
+    else:
+        assert traced["_forget_uncounted"] > 0 and traced["weight"] > 0, traced
 
 
 def two_heads(optimizer="sgd", seed=0):

@@ -629,23 +629,24 @@ def keras_mask(x):
 
 
 def loss_divisor(loss, values, mask, sample_weight):
-    """What Keras divides `loss` by, and whether that is a fixed multiple of the samples.
+    """What Keras divides `loss` by, whether that is a fixed multiple of the samples, and
+    whether it is above 0 in every micro-batch with a sample.
 
     `values` are the per-element losses `loss.call` returned (they may carry
     a mask of their own, as `ignore_class` does) and `mask` the one `y_pred`
     carried. Under `"sum_over_batch_size"` (and `"mean"`) Keras divides by
     the number of unmasked elements (`keras.losses.Loss.__call__`, 3.7-3.15).
-    Returns `(None, False)` where it does not divide by a count (`"sum"`,
-    `"mean_with_sample_weight"`, no reduction) or `values` is unknown.
+    Returns `(None, False, False)` where it does not divide by a count
+    (`"sum"`, `"mean_with_sample_weight"`, no reduction) or `values` is unknown.
     """
     reduction = getattr(loss, "reduction", None)
     if values is None or reduction not in _MEAN_REDUCTIONS:
-        return None, False
+        return None, False, False
     own = keras_mask(values)
     if own is not None:
         mask = own if mask is None else tf.logical_and(tf.cast(mask, tf.bool), tf.cast(own, tf.bool))
     if mask is not None:
-        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int64)), tf.int64), False
+        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int64)), tf.int64), False, False
     values = tf.convert_to_tensor(values)  # a loss may return a Python number
     shape = values.shape
     size = tf.size(values, out_type=tf.int64)
@@ -668,7 +669,9 @@ def loss_divisor(loss, values, mask, sample_weight):
     proportional = shape.rank is not None and (
         shape.rank == 0 or shape[1:].is_fully_defined()
     )
-    return size, proportional
+    # A scalar counts 1; otherwise a fixed number of elements per sample.
+    positive = proportional and (shape.rank == 0 or shape[1:].num_elements() > 0)
+    return size, proportional, positive
 
 
 def keep_as_function_call(cond_output):

@@ -27,10 +27,11 @@ _current = threading.local()  # the `ItemCount` of the step tracing in this thre
 
 # One compiled loss as a step computed it: its output's name, its count (an
 # int64 tensor, `None` where it cannot be known), whether that count is a
-# fixed multiple of the samples, the loss's value (a mean over its count) and
+# fixed multiple of the samples, whether it is above 0 whenever the
+# micro-batch holds a sample, the loss's value (a mean over its count) and
 # its `loss_weights` entry (`None` for none).
 CountedOutput = collections.namedtuple(
-    "CountedOutput", "name count proportional value weight")
+    "CountedOutput", "name count proportional positive value weight")
 
 
 class ItemCount:
@@ -86,6 +87,17 @@ class ItemCount:
         if unknown:
             warn(unknown, "its loss does not say what it averages over")
         return samples
+
+    def every_sample_counts(self):
+        """Whether `resolve()`'s count is above 0 in every micro-batch that holds a
+        sample (the samples, or one loss over a fixed number of elements per
+        sample): then no micro-batch with a sample counts nothing. A mask,
+        `ignore_class` or `count_items()` may count 0."""
+        if self.explicit is not None:
+            return False
+        if len(self.per_output) == 1 and self.per_output[0].count is not None:
+            return self.per_output[0].positive
+        return True
 
 
 # The largest count a micro-batch may say it averaged over: its window's
@@ -280,11 +292,11 @@ class _Counted:
         mask = _keras.keras_mask(y_pred)
         _current.values = None
         value = self.loss(y_true, y_pred, sample_weight)
-        divisor, proportional = _keras.loss_divisor(
+        divisor, proportional, positive = _keras.loss_divisor(
             self.loss, _current.values, mask, sample_weight
         )
         count.per_output.append(
-            CountedOutput(self.name, divisor, proportional,
+            CountedOutput(self.name, divisor, proportional, positive,
                           _keras.as_in_total_loss(self.loss, value), self.weight))
         return value
 

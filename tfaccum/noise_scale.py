@@ -44,12 +44,12 @@ class NoiseScaleEstimator(WindowObserver):
     """
 
     def __init__(self):
-        def variable(name, dtype=tf.float32):
-            return _keras.local_variable(tf.zeros((), dtype), name)
+        def variable(name, dtype=tf.float32, shape=()):
+            return _keras.local_variable(tf.zeros(shape, dtype), name)
 
-        self._micro_squares = variable("micro_squared_norms")  # sum b |g|^2
-        self._micro_samples = variable("micro_samples")  # sum b
-        self._micro_batches = variable("micro_batches")  # micro-batches seen
+        # The window's micro-batches so far, one variable (one update per
+        # micro-step): sum b |g|^2, sum b, and how many were measured.
+        self._micro = variable("micro_batch_sums", shape=(3,))
         self._gradient_square = variable("gradient_square_ema")  # |G|^2
         self._trace = variable("trace_sigma_ema")  # tr(Sigma)
         self._micro_batch = variable("micro_batch_size")  # last B_small
@@ -72,8 +72,7 @@ class NoiseScaleEstimator(WindowObserver):
         self.add_window(update.mean_squared_norm, samples=update.window["window_items"])
 
     def on_reset(self):
-        for variable in (self._micro_squares, self._micro_samples, self._micro_batches):
-            variable.assign(0.0)
+        self._micro.assign(tf.zeros((3,)))
 
     def restart(self):
         """Forgets every estimate (a new `fit` of a new callback)."""
@@ -87,9 +86,8 @@ class NoiseScaleEstimator(WindowObserver):
     def add_micro_batch(self, square, samples):
         """Adds a (small) batch of the window: its squared gradient norm and size."""
         samples = tf.cast(samples, tf.float32)
-        self._micro_squares.assign_add(samples * square)
-        self._micro_samples.assign_add(samples)
-        self._micro_batches.assign_add(tf.cast(samples > 0, tf.float32))
+        self._micro.assign_add(tf.stack([samples * square, samples,
+                                         tf.cast(samples > 0, tf.float32)]))
 
     def add_window(self, window_square, samples):
         """Adds one window's estimates, from the batches added since the last.
@@ -99,9 +97,10 @@ class NoiseScaleEstimator(WindowObserver):
             samples: Samples the window held (B_big), int64.
         """
         big = tf.cast(samples, tf.float32)
-        seen = tf.maximum(self._micro_samples, 1.0)
-        small = seen / tf.maximum(self._micro_batches, 1.0)
-        small_square = self._micro_squares / seen
+        squares, seen, batches = tf.unstack(self._micro.read_value())
+        seen = tf.maximum(seen, 1.0)
+        small = seen / tf.maximum(batches, 1.0)
+        small_square = squares / seen
         # Branch-free (no nested function call in the update): a window of
         # one micro-batch (B_small = B_big) leaves every average as it was.
         defined = big > small

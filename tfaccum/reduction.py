@@ -26,6 +26,9 @@ class Reduction:
             weighs the same whatever it holds, so that a window's gradient is
             a mean over micro-batches: such a reduction cannot leave out one
             replica's share (`skip_nonfinite` on several replicas).
+        weighs_items: Whether `weight()` is `items` whenever every micro-batch
+            with a sample counts an item (a loss over a fixed number of
+            elements per sample): the step then takes `items` without calling it.
 
     Example:
 
@@ -47,6 +50,7 @@ class Reduction:
     name = "custom"
     counts_items = False
     per_micro_batch = False
+    weighs_items = False
 
     def weight(self, samples, items, open_window):
         """A micro-batch's weight in its window, or `None` to add it as it is.
@@ -108,6 +112,7 @@ class Auto(Reduction):
 
     name = "auto"
     counts_items = True
+    weighs_items = True
 
     def weight(self, samples, items, open_window):
         return tf.where(items > 0, items,

@@ -50,6 +50,9 @@ class MicroBatch:
         samples: Samples in the micro-batch (int64; this replica's).
         items: What its loss averages over (int64): its samples, or its
             unmasked items (tokens).
+        every_sample_counts: Whether `items` is above 0 in every micro-batch
+            with a sample, known while tracing (samples, or a fixed number of
+            elements per sample; not a mask or `count_items()`).
         weight: Its weight in the window (the reduction's), or `None`.
         weighted: Whether `grads` already carry `weight` (it rode on the loss).
         loss: The step's loss (a mean), or `None` if the step did not show it.
@@ -70,6 +73,7 @@ class MicroBatch:
     weighted: bool
     loss: object
     gradient_scale: object
+    every_sample_counts: bool = False
     outputs: tuple = ()
     rest_grads: tuple = ()
     rest_loss: object = None
@@ -95,6 +99,7 @@ class _Step:
         self.count = None  # an `ItemCount`, where items are counted
         self.tape = None
         self.items = None
+        self.every_sample_counts = False
         self.weight = None
         self.weighted = False
 
@@ -106,8 +111,8 @@ class StepTracer:
         model: The compiled Keras model.
         counts_items: Whether to find what each micro-batch's loss averages
             over (`LossCounting`, `count_items()`); else its samples.
-        weigh: `weigh(samples, items)`: the micro-batch's weight (a tensor) or
-            `None`; called once per step, while it traces.
+        weigh: `weigh(samples, items, every_sample_counts)`: the micro-batch's
+            weight (a tensor) or `None`; called once per step, while it traces.
         weight_in_loss: Whether the weight may ride on the loss (multiplied
             in `scale_loss`, one multiply instead of one per gradient).
         loss_share: What Keras multiplies each replica's loss by.
@@ -212,9 +217,11 @@ class StepTracer:
         if step.items is None:
             if step.count is not None:
                 step.items = step.count.resolve(step.samples, self._warn_items)
+                step.every_sample_counts = step.count.every_sample_counts()
             else:
                 step.items = step.samples
-            step.weight = self._weigh(step.samples, step.items)
+                step.every_sample_counts = True
+            step.weight = self._weigh(step.samples, step.items, step.every_sample_counts)
 
     # The hook's graph code needs no AutoGraph (tf_keras converts the train
     # step, and with it whatever the step calls; TensorFlow 2.16's converter
@@ -281,7 +288,8 @@ class StepTracer:
         return MicroBatch(
             grads=tuple(grads), variables=tuple(variables), samples=step.samples,
             items=step.items, weight=step.weight, weighted=step.weighted, loss=step.loss,
-            gradient_scale=gradient_scale, outputs=outputs, rest_grads=rest_grads,
+            gradient_scale=gradient_scale, every_sample_counts=step.every_sample_counts,
+            outputs=outputs, rest_grads=rest_grads,
             rest_loss=rest_loss)
 
     def _split(self, step, uneven, grads, variables, scale):

@@ -78,26 +78,30 @@ class Counts:
         unknown = set(counts) - set(self._index)
         if unknown:
             raise KeyError(f"Unknown counts: {sorted(unknown)}")
-        # Python ints make one constant; each tensor adds itself times a
-        # one-hot constant: few ops on the per-micro-step path.
-        static = [0] * len(self.names)
-        vector = None
+        # Python ints make one constant; tensors are stacked with them in
+        # one op (a multiply and an add per tensor before).
+        entries = [0] * len(self.names)
+        tensors = False
         for name, value in counts.items():
-            if isinstance(value, int):
-                static[self._index[name]] += value
-                continue
-            one_hot = tf.one_hot(self._index[name], len(self.names), dtype=tf.int64)
-            term = tf.cast(value, tf.int64) * one_hot
-            vector = term if vector is None else vector + term
-        return tf.constant(static, tf.int64) if vector is None else vector + static
+            if not isinstance(value, int):
+                value = tf.cast(value, tf.int64)
+                tensors = True
+            entries[self._index[name]] = value
+        if not tensors:
+            return tf.constant(entries, tf.int64)
+        return tf.stack([tf.constant(e, tf.int64) if isinstance(e, int) else e for e in entries])
 
     def add(self, delta):
         """Adds a vector made by `delta()`."""
         self.variable.assign_add(delta)
 
-    def read(self):
-        """The counts now, as `{name: int64 tensor}` (this replica's in a replica context)."""
-        return _CountsRead(self.variable.read_value(), self._index)
+    def read(self, names=None):
+        """The counts now, as `{name: int64 tensor}` (this replica's in a replica context).
+
+        `names`: only these (all by default).
+        """
+        index = self._index if names is None else {name: self._index[name] for name in names}
+        return _CountsRead(self.variable.read_value(), index)
 
     def global_read(self):
         """The counts with the window's shares summed over replicas (cross-replica).
@@ -624,10 +628,16 @@ class WindowState:
     def variables(self):
         return self.accumulators.variables
 
-    def weight(self, samples, items):
-        """A micro-batch's weight, from the reduction and this replica's open window."""
-        counts = self.counts.read()
-        return self.reduction.weight(samples, items, {name: counts[name] for name in WINDOW_COUNTS})
+    def weight(self, samples, items, every_sample_counts=False):
+        """A micro-batch's weight, from the reduction and this replica's open window.
+
+        Where every micro-batch with a sample counts an item, a reduction that
+        `weighs_items` weighs `items`: nothing to ask of the window.
+        """
+        if every_sample_counts and self.reduction.weighs_items:
+            return items
+        # Sliced only where the reduction asks ("samples" asks for none).
+        return self.reduction.weight(samples, items, self.counts.read(WINDOW_COUNTS))
 
     # -- while a step traces --------------------------------------------------------
 
@@ -695,7 +705,8 @@ class WindowState:
         `totals`: whether the hook's totals (`samples`, `items`) count it now
         (one device) or when the window is reduced (several replicas).
         """
-        if self.reduction.counts_items:
+        # A window holds micro-batches that counted nothing only where one can.
+        if self.reduction.counts_items and not micro.every_sample_counts:
             self._forget_uncounted(micro.items)
         weight = None if micro.weighted else micro.weight
         self.accumulators.add(micro.rest_grads, micro.variables, weight, loss=micro.rest_loss,
