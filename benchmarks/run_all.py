@@ -35,6 +35,7 @@ TABLES = {
     "throughput-cnn": (["throughput.py", "--model", "cnn", "--micro-batch", "16",
                         "--samples", "512", "--rounds", "30", "--no-memory"], 1),
     "memory": (["memory.py", "--repeats", "3"], 0),
+    "step-ops": (["step_ops.py"], 0),
     "precision": (["precision.py"], 0),
     "sparse-window": (["sparse_window.py"], 0),
     "dashboard": (["dashboard.py"], 0),

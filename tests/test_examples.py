@@ -94,6 +94,21 @@ def test_distributed_benchmark_counts_reductions():
     assert keras_row is not None or "keras: fails under MirroredStrategy" in out
 
 
+def test_item_counting_adds_no_op_to_a_per_sample_losss_micro_step():
+    """benchmarks/step_ops.py's counts (in this process: a trace each, no training)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_ops
+    finally:
+        sys.path.pop(0)
+    per_step = {variant: step_ops.count(variant, width=16, micro_batch=4)[0]
+                for variant in ("plain", "tfaccum", "no-noise", "samples")}
+    # A loss averaged per sample counts an item for every sample: "auto"
+    # weighs by them with nothing to check, as "samples" does.
+    assert per_step["tfaccum"] <= per_step["samples"], per_step
+    assert per_step["no-noise"] < per_step["tfaccum"] < per_step["plain"], per_step
+
+
 def test_every_benchmark_table_has_its_place_in_the_readme():
     """`make benchmarks` writes each table between its README markers."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
