@@ -1,5 +1,6 @@
 """The example and the benchmark scripts run and report what they claim."""
 
+import importlib
 import json
 import os
 import re
@@ -94,13 +95,18 @@ def test_distributed_benchmark_counts_reductions():
     assert keras_row is not None or "keras: fails under MirroredStrategy" in out
 
 
-def test_item_counting_adds_no_op_to_a_per_sample_losss_micro_step():
-    """benchmarks/step_ops.py's counts (in this process: a trace each, no training)."""
+def benchmark_module(name):
+    """A module of benchmarks/, imported in this process."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import step_ops
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_item_counting_adds_no_op_to_a_per_sample_losss_micro_step():
+    """benchmarks/step_ops.py's counts (in this process: a trace each, no training)."""
+    step_ops = benchmark_module("step_ops")
     per_step = {variant: step_ops.count(variant, width=16, micro_batch=4)[0]
                 for variant in ("plain", "tfaccum", "no-noise", "samples")}
     # A loss averaged per sample counts an item for every sample: "auto"
@@ -111,11 +117,7 @@ def test_item_counting_adds_no_op_to_a_per_sample_losss_micro_step():
 
 def test_every_benchmark_table_has_its_place_in_the_readme():
     """`make benchmarks` writes each table between its README markers."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import run_all
-    finally:
-        sys.path.pop(0)
+    run_all = benchmark_module("run_all")
     readme = (ROOT / "README.md").read_text()
     marked = [m["name"] for m in run_all.MARKER.finditer(readme)]
     assert sorted(marked) == sorted(run_all.TABLES)

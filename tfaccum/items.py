@@ -66,38 +66,30 @@ class ItemCount:
         return [output for output in self.per_output if not output.proportional]
 
     def resolve(self, samples, warn):
-        """The micro-batch's weight in its window, as an int64 tensor.
+        """The micro-batch's weight in its window, as an int64 tensor, and
+        whether it is above 0 in every micro-batch that holds a sample.
 
-        An explicit count wins. One compiled loss: its count. Several: the
-        samples, exact when every loss averages over a fixed number of
-        elements per sample; those that do not (`uneven_outputs()`) each
-        need an accumulator of their own, which the hook adds.
+        An explicit count wins (it may be 0). One compiled loss: its count
+        (above 0 for a fixed number of elements per sample; a mask or
+        `ignore_class` may count 0). Several: the samples, exact when every
+        loss averages over a fixed number of elements per sample; those that
+        do not (`uneven_outputs()`) each need an accumulator of their own,
+        which the hook adds.
         """
         if self.explicit is not None:
-            return self.explicit
+            return self.explicit, False
         if not self.per_output:
-            return samples
+            return samples, True
         if len(self.per_output) == 1:
             output = self.per_output[0]
             if output.count is None:
                 warn([output.name], "its loss does not say what it averages over")
-                return samples
-            return output.count
+                return samples, True
+            return output.count, output.positive
         unknown = [output.name for output in self.uneven_outputs() if output.count is None]
         if unknown:
             warn(unknown, "its loss does not say what it averages over")
-        return samples
-
-    def every_sample_counts(self):
-        """Whether `resolve()`'s count is above 0 in every micro-batch that holds a
-        sample (the samples, or one loss over a fixed number of elements per
-        sample): then no micro-batch with a sample counts nothing. A mask,
-        `ignore_class` or `count_items()` may count 0."""
-        if self.explicit is not None:
-            return False
-        if len(self.per_output) == 1 and self.per_output[0].count is not None:
-            return self.per_output[0].positive
-        return True
+        return samples, True
 
 
 # The largest count a micro-batch may say it averaged over: its window's

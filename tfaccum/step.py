@@ -216,8 +216,8 @@ class StepTracer:
         """The micro-batch's items and weight, resolved once."""
         if step.items is None:
             if step.count is not None:
-                step.items = step.count.resolve(step.samples, self._warn_items)
-                step.every_sample_counts = step.count.every_sample_counts()
+                step.items, step.every_sample_counts = step.count.resolve(
+                    step.samples, self._warn_items)
             else:
                 step.items = step.samples
                 step.every_sample_counts = True

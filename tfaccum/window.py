@@ -78,18 +78,12 @@ class Counts:
         unknown = set(counts) - set(self._index)
         if unknown:
             raise KeyError(f"Unknown counts: {sorted(unknown)}")
-        # Python ints make one constant; tensors are stacked with them in
-        # one op (a multiply and an add per tensor before).
+        # Python ints alone make one constant; with tensors, one stacking op.
         entries = [0] * len(self.names)
-        tensors = False
         for name, value in counts.items():
-            if not isinstance(value, int):
-                value = tf.cast(value, tf.int64)
-                tensors = True
-            entries[self._index[name]] = value
-        if not tensors:
-            return tf.constant(entries, tf.int64)
-        return tf.stack([tf.constant(e, tf.int64) if isinstance(e, int) else e for e in entries])
+            entries[self._index[name]] = (
+                value if isinstance(value, int) else tf.cast(value, tf.int64))
+        return tf.convert_to_tensor(entries, tf.int64)
 
     def add(self, delta):
         """Adds a vector made by `delta()`."""
