@@ -21,6 +21,7 @@ Variants (Adam, `accumulation_steps=4`, a loss averaged per sample):
 """
 
 import argparse
+import collections
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -53,6 +54,12 @@ def build(variant, width):
 
 def count(variant, width, micro_batch):
     """(nodes a micro-step runs, nodes of the window's end or `None`)."""
+    per_step, window_end = micro_step_ops(variant, width, micro_batch)
+    return sum(per_step.values()), window_end
+
+
+def micro_step_ops(variant, width, micro_batch):
+    """(`Counter` of the op types a micro-step runs, nodes of the window's end or `None`)."""
     model = build(variant, width)
     step = tf.function(model.train_step)
     graph = step.get_concrete_function(
@@ -61,22 +68,24 @@ def count(variant, width, micro_batch):
     library = {function.signature.name: function.node_def for function in graph.library.function}
     window_end = []
 
-    def nodes(defs):
-        total = 0
+    def nodes(defs, ops):
         for node in defs:
-            total += 1
+            ops[node.op] += 1
             called = [node.attr[a].func.name for a in ("f", "then_branch", "else_branch")
                       if a in node.attr and node.attr[a].func.name]
             if node.op in ("If", "StatelessIf"):
                 # The larger branch is the window's end; the other runs every micro-step.
-                sizes = sorted(nodes(library[name]) for name in called)
-                window_end.append(sizes[-1])
-                total += sum(sizes[:-1])
+                branches = sorted((nodes(library[name], collections.Counter())
+                                   for name in called), key=lambda b: sum(b.values()))
+                window_end.append(sum(branches[-1].values()))
+                for branch in branches[:-1]:
+                    ops.update(branch)
             else:
-                total += sum(nodes(library[name]) for name in called)
-        return total
+                for name in called:
+                    nodes(library[name], ops)
+        return ops
 
-    per_step = nodes(graph.node)
+    per_step = nodes(graph.node, collections.Counter())
     return per_step, (sum(window_end) if window_end else None)
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,15 +106,33 @@ def benchmark_module(name):
         sys.path.pop(0)
 
 
-def test_item_counting_adds_no_op_to_a_per_sample_losss_micro_step():
+def test_item_counting_adds_only_its_count_to_a_per_sample_losss_micro_step():
     """benchmarks/step_ops.py's counts (in this process: a trace each, no training)."""
     step_ops = benchmark_module("step_ops")
-    per_step = {variant: step_ops.count(variant, width=16, micro_batch=4)[0]
-                for variant in ("plain", "tfaccum", "no-noise", "samples")}
+    ops = {variant: step_ops.micro_step_ops(variant, width=16, micro_batch=4)[0]
+           for variant in ("plain", "tfaccum", "no-noise", "samples")}
     # A loss averaged per sample counts an item for every sample: "auto"
-    # weighs by them with nothing to check, as "samples" does.
-    assert per_step["tfaccum"] <= per_step["samples"], per_step
+    # weighs by them with nothing to check, as "samples" does. What it adds
+    # is the loss's element count (a constant here, where the batch is static).
+    added = ops["tfaccum"] - ops["samples"]
+    assert sum(added.values()) <= 1, added
+    per_step = {variant: sum(counter.values()) for variant, counter in ops.items()}
     assert per_step["no-noise"] < per_step["tfaccum"] < per_step["plain"], per_step
+
+
+@pytest.mark.parametrize("variant", ["tfaccum", "samples"])
+def test_the_noise_scale_adds_its_norm_and_one_update_to_a_micro_step(variant):
+    """What the noise scale costs a per-sample loss's micro-step, op by op."""
+    step_ops = benchmark_module("step_ops")
+    with_noise, without = (step_ops.micro_step_ops(name, width=16, micro_batch=4)[0]
+                           for name in (variant, "no-noise"))
+    added = with_noise - without
+    # The micro-batch's squared norm: one read of each of the 4 gradients,
+    # summed; its window sums: one update.
+    assert added["L2Loss"] == 4 and added["AddN"] == 1, added
+    assert added["AssignAddVariableOp"] == 1, added
+    # Weighed by its items, a micro-batch weighed 0 counted none: no select.
+    assert added["SelectV2"] == 0 and added["NotEqual"] == 0, added
 
 
 def test_every_benchmark_table_has_its_place_in_the_readme():

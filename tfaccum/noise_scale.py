@@ -64,9 +64,11 @@ class NoiseScaleEstimator(WindowObserver):
     # reduction="auto" with masked losses the items (tokens) averaged over.
     def on_micro_step(self, step):
         items = step.samples if step.items is None else step.items
-        # A micro-batch that counts no item (or was weighted by 0) says nothing.
-        self.add_micro_batch(step.mean_squared_norm,
-                             tf.where(step.measured, items, tf.zeros_like(items)))
+        if not step.weighs_items:
+            # A micro-batch weighted by 0 says nothing (where it weighs its
+            # items, it counted none: nothing to select).
+            items = tf.where(step.measured, items, tf.zeros_like(items))
+        self.add_micro_batch(step.mean_squared_norm, items)
 
     def on_apply(self, update):
         self.add_window(update.mean_squared_norm, samples=update.window["window_items"])

@@ -75,6 +75,9 @@ class MicroStep:
         mean_divisor: What the gradient of the micro-batch's loss must be
             divided by to be a mean over its samples: its sample count under
             `reduction="sum"`, `None` otherwise.
+        weighs_items: Whether the micro-batch's weight in its window is its
+            `items` (a Python bool, known while tracing): then one weighed 0
+            counts no item, and `items` needs no check against `measured`.
     """
 
     grads: list
@@ -83,6 +86,7 @@ class MicroStep:
     items: object = None
     gradient_scale: object = None
     mean_divisor: object = None
+    weighs_items: bool = False
 
     @functools.cached_property
     def measured(self):

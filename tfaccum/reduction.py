@@ -129,6 +129,7 @@ class Samples(Reduction):
     """Each micro-batch weighs its samples (exact for losses averaged per sample)."""
 
     name = "samples"
+    weighs_items = True  # it counts no item: `items` are the samples
 
     def weight(self, samples, items, open_window):
         return samples

@@ -691,7 +691,8 @@ class WindowState:
         return MicroStep(
             grads=list(micro.grads), variables=list(micro.variables), samples=micro.samples,
             items=micro.items, gradient_scale=micro.gradient_scale,
-            mean_divisor=micro.samples if self._sums else None)
+            mean_divisor=micro.samples if self._sums else None,
+            weighs_items=micro.every_sample_counts and self.reduction.weighs_items)
 
     def add(self, micro, totals):
         """Adds `micro` to the window; returns the counts' delta.
