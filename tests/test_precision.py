@@ -17,6 +17,7 @@ from reference import max_diff
 
 from tfaccum import GradientAccumulationCallback
 from tfaccum import precision
+from tfaccum import window
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_what_bfloat16_holds():
@@ -183,3 +184,25 @@ def test_a_scalar_variable_is_summed_whole():
     sums.add(tf.constant(0.75), 2.0)
     sums.scale(0.5)
     assert float(sums.read()) == 1.25
+
+
+def test_a_large_variable_is_emptied_in_place_a_slice_at_a_time(monkeypatch):
+    """No tensor of the whole variable is made: the window's end held zeros of
+    it beside the variable, and the assignment copied them into a third buffer."""
+    monkeypatch.setattr(precision, "CHUNK", 64)  # 40 x 8: slices of 8 rows
+    variable = tf.Variable(tf.ones([40, 8], tf.bfloat16))
+    variable.scatter_update(tf.IndexedSlices(  # what a window may hold
+        tf.constant([[np.nan] * 8, [np.inf] * 8], tf.bfloat16), tf.constant([0, 39])))
+    accumulator = window._BFloat16Accumulator(
+        tf.Variable(tf.zeros([40, 8])), tf.VariableSynchronization.AUTO,
+        tf.VariableAggregation.NONE)
+    accumulator.variable.assign(variable)
+    graph = tf.function(accumulator.reset).get_concrete_function().graph
+    whole = [op.name for op in graph.get_operations()
+             if any(output.shape == variable.shape for output in op.outputs)]
+    assert not whole, whole
+    accumulator.reset()
+    assert np.array_equal(accumulator.read().numpy(), np.zeros([40, 8]))
+    small = precision.BFloat16Sum(tf.Variable(tf.ones([4, 8], tf.bfloat16)))
+    small.zero()
+    assert not small.variable.numpy().any()

@@ -82,6 +82,22 @@ class BFloat16Sum:
         factor = tf.cast(factor, tf.float32)
         self._update(lambda held, rows: held * factor)
 
+    def zero(self):
+        """Empties the variable, a slice of rows at a time where it is sliced.
+
+        Written in place: zeros of the whole variable assigned to it were
+        allocated beside it, and the assignment made a third buffer (the
+        variable, read by rows, copies on a whole read).
+        """
+        if self._slices is None:
+            self.variable.assign(tf.zeros(self.variable.shape, self.variable.dtype))
+            return
+        for rows in self._slices:
+            indices = tf.range(rows.start, rows.stop)
+            zeros = tf.zeros([rows.stop - rows.start, *self.variable.shape[1:]],
+                             self.variable.dtype)
+            self.variable.scatter_update(tf.IndexedSlices(zeros, indices))
+
     def _update(self, value_of):
         """Stores `value_of(held, rows)` rounded, a slice of rows at a time."""
         if self._slices is None:  # small, or a scalar: whole

@@ -228,6 +228,9 @@ class _BFloat16Accumulator(_DenseAccumulator):
     def scale(self, factor):
         self._sum.scale(factor)
 
+    def reset(self):
+        self._sum.zero()
+
 
 class _RowAccumulator:
     """Keeps a sparse gradient's rows: the window's `IndexedSlices`, concatenated.
