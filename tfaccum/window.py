@@ -625,13 +625,17 @@ class WindowState:
     def variables(self):
         return self.accumulators.variables
 
+    def _weighs_items(self, every_sample_counts):
+        """Whether a micro-batch's weight is its `items` (known while tracing)."""
+        return every_sample_counts and self.reduction.weighs_items
+
     def weight(self, samples, items, every_sample_counts=False):
         """A micro-batch's weight, from the reduction and this replica's open window.
 
         Where every micro-batch with a sample counts an item, a reduction that
         `weighs_items` weighs `items`: nothing to ask of the window.
         """
-        if every_sample_counts and self.reduction.weighs_items:
+        if self._weighs_items(every_sample_counts):
             return items
         # Sliced only where the reduction asks ("samples" asks for none).
         return self.reduction.weight(samples, items, self.counts.read(WINDOW_COUNTS))
@@ -695,7 +699,7 @@ class WindowState:
             grads=list(micro.grads), variables=list(micro.variables), samples=micro.samples,
             items=micro.items, gradient_scale=micro.gradient_scale,
             mean_divisor=micro.samples if self._sums else None,
-            weighs_items=micro.every_sample_counts and self.reduction.weighs_items)
+            weighs_items=self._weighs_items(micro.every_sample_counts))
 
     def add(self, micro, totals):
         """Adds `micro` to the window; returns the counts' delta.
