@@ -63,6 +63,26 @@ def test_throughput_benchmark_table():
         assert (verdict.strip() == "within noise") == (p10 <= 1.0 <= p90), name
 
 
+def test_step_time_benchmark_table():
+    out = run("benchmarks/step_time.py", "--rounds", "3", "--width", "16", "--micro-batch", "4",
+              "--steps", "2", "--windows", "1")
+    tables = [[line.split("|")[1:-1] for line in block.splitlines() if line.startswith("| ")]
+              for block in out.split("\n\n") if block.startswith("| ")]
+    times, ratios = tables
+    assert [row[0].strip() for row in times[1:]] == [
+        "keras", "keras-again", "tfaccum", "no-noise", "samples"]
+    assert all(float(cell) > 0 for row in times[1:] for cell in row[1:])
+    # Each ratio in both phases, the noise floor first.
+    assert [(row[0].strip(), row[1].strip()) for row in ratios[1:3]] == [
+        ("noise floor: Keras accumulation vs itself", "micro-steps"),
+        ("noise floor: Keras accumulation vs itself", "windows")]
+    assert len(ratios) == 1 + 2 * 5
+    for name, phase, median, interval, rounds, verdict in ratios[1:]:
+        lower, upper = map(float, interval.split("-"))
+        assert lower <= float(median) <= upper, name
+        assert (verdict.strip() == "within noise") == (lower <= 1.0 <= upper), (name, phase)
+
+
 def dashboard_runs(log_dir):
     """{run: updates} as the dashboard lists them."""
     from tensorboard import context
