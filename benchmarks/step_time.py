@@ -37,6 +37,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfaccum  # noqa: E402
+from throughput import median_interval  # noqa: E402
+from throughput import verdict  # noqa: E402
 from tfaccum.noise_scale import NoiseScaleEstimator  # noqa: E402
 
 VARIANTS = ("keras", "keras-again", "tfaccum", "no-noise", "samples")
@@ -98,14 +100,6 @@ def time_blocks(args, steps, block):
     return {variant: np.asarray(t) for variant, t in times.items()}
 
 
-def median_interval(values, confidence=0.95, resamples=4000):
-    """A bootstrap confidence interval of the median of `values` (rounds resampled)."""
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(values, (resamples, len(values))), axis=1)
-    tail = (1 - confidence) / 2 * 100
-    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
-
-
 def ratio_rows(times):
     """(name, median, interval, 5-95% of rounds) for each of RATIOS."""
     rows = []
@@ -154,10 +148,8 @@ def main():
     for index in range(len(RATIOS)):
         for phase in phases:
             name, median, (lower, upper), (low, high) = rows[phase][index]
-            verdict = "within noise" if lower <= 1.0 <= upper else (
-                "slower" if median > 1 else "faster")
             print(f"| {name} | {phase} | {median:.3f} | {lower:.3f}-{upper:.3f} "
-                  f"| {low:.3f}-{high:.3f} | {verdict} |")
+                  f"| {low:.3f}-{high:.3f} | {verdict(median, lower, upper)} |")
 
 
 if __name__ == "__main__":

@@ -180,6 +180,13 @@ def median_interval(values, confidence=0.95, resamples=4000):
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
+def verdict(median, lower, upper):
+    """"within noise" where the median's interval holds 1, else "slower" or "faster"."""
+    if lower <= 1.0 <= upper:
+        return "within noise"
+    return "slower" if median > 1 else "faster"
+
+
 def ratio_rows(times):
     """For each of RATIOS: its name, the per-round ratios' spread and the median's interval."""
     rows = []
@@ -267,10 +274,8 @@ def main():
     print("| ratio | median | 95% interval | min-max of rounds | verdict |")
     print("|---|---:|---:|---:|---|")
     for name, (median, low, high), (lower, upper) in rows:
-        verdict = "within noise" if lower <= 1.0 <= upper else (
-            "slower" if median > 1 else "faster")
         print(f"| {name} | {median:.3f} | {lower:.3f}-{upper:.3f} | {low:.3f}-{high:.3f} "
-              f"| {verdict} |")
+              f"| {verdict(median, lower, upper)} |")
 
 
 if __name__ == "__main__":
