@@ -6,9 +6,9 @@ variant in a new random order, so that machine noise hits them alike, and a
 ratio between two variants is taken within each round. Reported: the median
 ratio over rounds, a 95% bootstrap interval of that median, and the range of
 the middle 90% of rounds. Blocks of a few windows (tens of milliseconds)
-give hundreds of rounds in minutes: intervals a few times narrower than
-`throughput.py`'s epochs (whose per-epoch work, callbacks and data pipeline
-included, is what users see).
+give hundreds of rounds in minutes: intervals about as wide as
+`throughput.py`'s epochs give in three times as long (whose work, callbacks
+and data pipeline included, is what users see), for each phase apart.
 
 Two phases tell where a difference comes from:
   micro-steps  `accumulation_steps` larger than the run: no window ends
