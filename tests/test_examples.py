@@ -21,6 +21,15 @@ def run(script, *args):
     return result.stdout
 
 
+def printed_tables(out):
+    """The Markdown tables in a script's output (run_all's parser), as rows of cells.
+
+    Each table's header row comes first; its rule (`|---|`) is left out.
+    """
+    return [[line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ")]
+            for table in benchmark_module("run_all").tables_of(out)]
+
+
 def test_quickstart_matches_the_large_batch_and_writes_the_demo_dashboard(tmp_path):
     out = run("examples/quickstart.py", "--epochs", "1", "--logdir", str(tmp_path))
     difference = float(re.search(r"largest weight difference: (\S+)", out).group(1))
@@ -31,9 +40,7 @@ def test_quickstart_matches_the_large_batch_and_writes_the_demo_dashboard(tmp_pa
 
 def test_exactness_benchmark_table():
     out = run("benchmarks/exactness.py", "--epochs", "1")
-    tables = [[line.split("|")[1:-1] for line in block.splitlines()[1:] if line.startswith("| ")]
-              for block in out.split("\n\n") if block.startswith("| ")]
-    dense, sequences = tables
+    dense, sequences = [table[1:] for table in printed_tables(out)]
     assert len(dense) == 5
     for name, ours, builtin, plain in dense:
         assert float(ours) < 1e-5, name
@@ -48,9 +55,7 @@ def test_exactness_benchmark_table():
 def test_throughput_benchmark_table():
     out = run("benchmarks/throughput.py", "--rounds", "3", "--samples", "256",
               "--width", "32", "--no-memory")
-    tables = [[line.split("|")[1:-1] for line in block.splitlines() if line.startswith("| ")]
-              for block in out.split("\n\n") if block.startswith("| ")]
-    epochs, ratios = tables
+    epochs, ratios = printed_tables(out)
     assert [row[0].strip() for row in epochs[1:]] == [
         "tfaccum", "tfaccum-no-noise", "tfaccum-samples", "tfaccum+log_dir", "keras", "keras-again", "micro", "large"]
     names = [row[0].strip() for row in ratios[1:]]
@@ -66,9 +71,7 @@ def test_throughput_benchmark_table():
 def test_step_time_benchmark_table():
     out = run("benchmarks/step_time.py", "--rounds", "3", "--width", "16", "--micro-batch", "4",
               "--steps", "2", "--windows", "1")
-    tables = [[line.split("|")[1:-1] for line in block.splitlines() if line.startswith("| ")]
-              for block in out.split("\n\n") if block.startswith("| ")]
-    times, ratios = tables
+    times, ratios = printed_tables(out)
     assert [row[0].strip() for row in times[1:]] == [
         "keras", "keras-again", "tfaccum", "no-noise", "samples"]
     assert all(float(cell) > 0 for row in times[1:] for cell in row[1:])
