@@ -112,6 +112,27 @@ def test_dataset_of_unknown_length():
     assert int(model.optimizer.iterations) == callback.optimizer_steps == 12
 
 
+@pytest.mark.parametrize("optimizer,drop_remainder", [
+    ("adamw_clipnorm", False), ("adam_ema", False), ("adamw_clipnorm", True)])
+def test_the_step_that_finds_no_data_ends_no_window(optimizer, drop_remainder):
+    """On a dataset of unknown length an epoch ends with a step that finds no
+    data; here its micro-batch would have filled the window (13 micro-batches
+    in windows of 7: 6 are open). Nothing of the window's end may run in it:
+    not the weight decay, the EMA or the optimizer's count, which need no
+    gradient. With `drop_remainder` the micro-batch's size is static."""
+    x, y = make_data(n=104)
+    known = tf.data.Dataset.from_tensor_slices((x, y))
+    reference = make_model(optimizer=optimizer)
+    reference.fit(known.batch(56), epochs=EPOCHS, verbose=0)
+    model = make_model(optimizer=optimizer)
+    callback = GradientAccumulationCallback(accumulation_steps=7)
+    model.fit(known.filter(lambda *_: True).batch(8, drop_remainder=drop_remainder),
+              epochs=EPOCHS, verbose=0, callbacks=[callback])
+    assert max_weight_diff(reference, model) < TOL
+    assert callback.micro_steps == 13 * EPOCHS and callback.flushes == EPOCHS
+    assert int(model.optimizer.iterations) == callback.optimizer_steps == 2 * EPOCHS
+
+
 def test_flush_happens_before_validation():
     x, y = make_data()
     val = make_data(n=40, seed=3)

@@ -321,7 +321,12 @@ def count_samples(data):
             return tf.cast(leaf.dense_shape[0], tf.int64)
         if isinstance(leaf, tf.RaggedTensor):
             return tf.cast(leaf.nrows(), tf.int64)
-        return tf.shape(leaf, out_type=tf.int64)[0]
+        # A `Shape` op, never the static size as a constant: the count (and
+        # what waits for it: the counts, the window's end) must wait for the
+        # data. The step that finds none at the end of a dataset of unknown
+        # length must count nothing (TensorFlow's own folding of a static
+        # shape keeps that dependency).
+        return tf.raw_ops.Shape(input=leaf, out_type=tf.int64)[0]
     raise ValueError(
         "Cannot count the samples of a micro-batch: its inputs `x` hold no "
         f"tensor. Received: x={x!r}"
