@@ -387,36 +387,31 @@ class AccumulationHook:
             state.warn_if_densified(micro, "jit_compile=True (XLA needs fixed shapes)"
                                     if self.model.jit_compile else "several replicas")
         observers = replicas.observers_here()
+        seen = state.micro_step(micro)
         totals = replicas.totals_per_micro_batch
 
-        # What observers see is made in each branch that shows it them: its
-        # norms are computed once per branch (a branch cannot use another's).
         def add():
             delta = state.add(micro, totals)
-            seen = state.micro_step(micro)
             for observer in observers:
                 observer.on_micro_step(seen)
             return delta
 
         def leave_out():
             replicas.leave_out()
-            seen = state.micro_step(micro)
             for observer in observers:
                 observer.on_leave_out(seen)
             return state.leave_out(totals)
 
-        def count():
-            if self.skip_nonfinite:
-                delta = tf.cond(_all_finite(micro.grads), add, leave_out)
-            else:
-                delta = add()
-            # This update depends on `samples`, so on the micro-batch's data:
-            # when a dataset of unknown length runs out, it cannot run before
-            # `get_next()` fails (Keras' own `optimizer.iterations` can, and
-            # counts a phantom step per epoch that way).
-            self.counts.add(delta)
-
-        replicas.micro_step(count, micro.samples)
+        if self.skip_nonfinite:
+            delta = tf.cond(_all_finite(micro.grads), add, leave_out)
+        else:
+            delta = add()
+        # This update depends on `samples`, so on the micro-batch's data: when
+        # a dataset of unknown length runs out, it cannot run before
+        # `get_next()` fails (Keras' own `optimizer.iterations` can, and
+        # counts a phantom step per epoch that way).
+        self.counts.add(delta)
+        replicas.after_micro_step()
 
     # -- host-triggered window ends -----------------------------------------
 

@@ -88,39 +88,8 @@ class OneDevice:
         """A micro-batch was left out: lower a dynamic loss scale now, as Keras does."""
         self._lower_loss_scale(rescale=True)
 
-    def micro_step(self, add, samples):
-        """Runs `add()` (adds the micro-batch and counts it); ends a full window.
-
-        One `tf.cond` holds both: the last micro-batch is added in the branch
-        that ends the window, as Keras' own accumulation does, so that nothing
-        outside it makes the update wait for every gradient. Lowered into the
-        step's graph (TensorFlow's default), each variable's update starts
-        once its own gradient is added, while the backward pass goes on.
-
-        The condition waits for the micro-batch (`samples`, counted from its
-        data): the step that finds no data at the end of a dataset of unknown
-        length must run nothing of the update, though much of it (the
-        optimizer's count, weight decay, EMA) needs no gradient.
-        """
-        def end():
-            add()
-            return self.end_window()
-
-        def keep():
-            add()
-            return tf.constant(False)
-
-        with tf.control_dependencies([samples]):
-            full = self.state.position() + 1 >= self.state.steps
-        tf.cond(full, end, keep)
-
     def after_micro_step(self):
-        """Ends the window if it is full, after the micro-step (window-wide losses).
-
-        Their window's end runs the whole window's passes: kept as a function
-        call, a micro-step skips it in one op instead of visiting each of its
-        nodes.
-        """
+        """Ends the window if it is full (inside the step)."""
         applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
         _keras.keep_as_function_call(applied)
 
@@ -338,10 +307,6 @@ class Replicas(OneDevice):
         extra_counts.update(samples=window["window_samples"], items=window["window_items"],
                             nonfinite_skips=window["window_nonfinite"])
         super()._reset(local, window, **extra_counts)
-
-    def micro_step(self, add, samples):
-        add()  # the window's end waits for it (`merge_call`)
-        self.after_micro_step()
 
     def after_micro_step(self):
         # Every replica, on every worker, holds the same position in the
