@@ -101,3 +101,40 @@ def test_several_outputs_record_a_tape(monkeypatch):
     fit(two_outputs({"a": "mse", "b": "mse"}), x,
         {"a": np.zeros((16, 3), "float32"), "b": np.ones((16, 2), "float32")})
     assert tapes.persistent >= 1
+
+
+def _depends_on(tensor, sources):
+    """Whether `tensor` is computed from any op of `sources` (data or control inputs)."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op in sources:
+            return True
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+    return False
+
+
+@pytest.mark.parametrize("spec", [
+    tf.TensorSpec([8, 3]),
+    tf.RaggedTensorSpec([8, None], tf.float32, 1, tf.int64),
+    tf.SparseTensorSpec([8, 3], tf.float32),
+], ids=["dense", "ragged", "sparse"])
+def test_a_static_sample_count_still_waits_for_the_data(spec):
+    """A micro-batch of static size (`drop_remainder=True`) is counted from its
+    data, not as a constant: the step that finds no data at the end of a
+    dataset of unknown length counts nothing (test_callback.py)."""
+    def count(x):
+        samples = step_module.count_samples((x,))
+        graph = samples.graph
+        inputs = {t.op for t in graph.inputs}
+        assert _depends_on(samples, inputs), samples
+        return samples
+
+    function = tf.function(count)
+    value = {tf.TensorSpec: tf.zeros([8, 3]),
+             tf.RaggedTensorSpec: tf.ragged.constant([[1.0]] * 8),
+             tf.SparseTensorSpec: tf.sparse.from_dense(tf.ones([8, 3]))}[type(spec)]
+    assert int(function.get_concrete_function(spec)(value)) == 8

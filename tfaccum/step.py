@@ -320,17 +320,24 @@ def count_samples(data):
         if isinstance(leaf, tf.SparseTensor):
             return tf.cast(leaf.dense_shape[0], tf.int64)
         if isinstance(leaf, tf.RaggedTensor):
-            return tf.cast(leaf.nrows(), tf.int64)
-        # A `Shape` op, never the static size as a constant: the count (and
-        # what waits for it: the counts, the window's end) must wait for the
-        # data. The step that finds none at the end of a dataset of unknown
-        # length must count nothing (TensorFlow's own folding of a static
-        # shape keeps that dependency).
-        return tf.raw_ops.Shape(input=leaf, out_type=tf.int64)[0]
+            return _leading_size(leaf.row_splits) - 1
+        return _leading_size(leaf)
     raise ValueError(
         "Cannot count the samples of a micro-batch: its inputs `x` hold no "
         f"tensor. Received: x={x!r}"
     )
+
+
+def _leading_size(tensor):
+    """`tensor`'s first dimension (int64), from a `Shape` op even where it is static.
+
+    `tf.shape` and `nrows()` give a static size as a constant, which no op
+    waits on: the counts' update must wait for the micro-batch's data, so
+    that the step that finds none at the end of a dataset of unknown length
+    counts nothing (TensorFlow's own folding of a static shape keeps that
+    dependency).
+    """
+    return tf.raw_ops.Shape(input=tensor, out_type=tf.int64)[0]
 
 
 def _share_like(grad, share, factor, scale, variable):
