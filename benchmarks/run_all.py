@@ -9,10 +9,17 @@ read and written by a person: `git diff README.md` shows what moved.
 
     python benchmarks/run_all.py            # everything (about 2 hours on 2 cores)
     python benchmarks/run_all.py --only memory,precision
+    python benchmarks/run_all.py --device gpu   # the GPU's own tables (gpu-...)
     make benchmarks
+
+On a GPU (`--device gpu`, or `auto` where TensorFlow sees one) the set is
+`GPU_TABLES`, written between markers of their own (`gpu-...`): a GPU run
+adds its figures beside the CPU's and never writes over them. Each can run
+alone (`--only gpu-memory`), to fit a machine lent for minutes.
 """
 
 import argparse
+import os
 import pathlib
 import re
 import subprocess
@@ -44,6 +51,21 @@ TABLES = {
     "dashboard": (["dashboard.py"], 0),
     "window-loss": (["window_loss.py", "--repeats", "2"], 0),
 }
+# On a GPU: the wider models of the CPU's tables (an MLP of 1M weights is all
+# launch overhead there), timed as users run them (wall clock, TensorFlow's
+# threads; Keras' `jit_compile="auto"` picks XLA), and peak memory read from
+# the GPU's allocator. Rounds are fewer: a lent machine is held for minutes.
+GPU_TABLES = {
+    "gpu-throughput-epochs": (["throughput.py", "--width", "4096", "--micro-batch", "64",
+                               "--steps", "4", "--samples", "16384", "--rounds", "10",
+                               "--clock", "wall", "--threads", "0"], 0),
+    "gpu-throughput": (["throughput.py", "--width", "4096", "--micro-batch", "64",
+                        "--steps", "4", "--samples", "16384", "--rounds", "10",
+                        "--clock", "wall", "--threads", "0"], 1),
+    "gpu-step-time": (["step_time.py", "--width", "4096", "--micro-batch", "64",
+                       "--rounds", "60", "--clock", "wall", "--threads", "0"], 1),
+    "gpu-memory": (["memory.py", "--repeats", "2"], 0),
+}
 MARKER = re.compile(r"<!-- benchmark: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /benchmark -->",
                     re.DOTALL)
 
@@ -62,6 +84,37 @@ def tables_of(text):
     return tables
 
 
+def tables_for(device, only):
+    """The tables a run on `device` ("cpu" or "gpu") writes: all, or those `only` names.
+
+    Raises:
+        ValueError: for a name unknown, or another device's table.
+    """
+    tables, other = (GPU_TABLES, TABLES) if device == "gpu" else (TABLES, GPU_TABLES)
+    if not only:
+        return dict(tables)
+    names = only.split(",")
+    elsewhere = [name for name in names if name in other]
+    if elsewhere:
+        their = "cpu" if device == "gpu" else "gpu"
+        raise ValueError(
+            f"{elsewhere} measure the {their.upper()}, not the {device.upper()} this run "
+            f"measures: run them with --device {their}.")
+    unknown = sorted(set(names) - set(tables))
+    if unknown:
+        raise ValueError(f"unknown benchmark table(s) {unknown}; known on the "
+                         f"{device.upper()}: {', '.join(tables)}")
+    return {name: tables[name] for name in names}
+
+
+def sees_gpu():
+    """Whether TensorFlow sees a GPU here (asked in a process of its own)."""
+    code = "import tensorflow as tf; print(bool(tf.config.list_physical_devices('GPU')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).stdout
+    return out.strip().splitlines()[-1] == "True"
+
+
 def run(arguments):
     command = [sys.executable, str(ROOT / "benchmarks" / arguments[0]), *arguments[1:]]
     print("$", " ".join(command[1:]), flush=True)
@@ -73,12 +126,23 @@ def run(arguments):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help=f"comma-separated, of: {', '.join(TABLES)}")
+    parser.add_argument("--only", help="comma-separated, of: "
+                        f"{', '.join(TABLES)} (CPU); {', '.join(GPU_TABLES)} (GPU)")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="which set to run and write (auto: gpu where TensorFlow sees one)")
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(TABLES)
-    unknown = sorted(set(names) - set(TABLES))
-    if unknown:
-        parser.error(f"unknown benchmark table(s) {unknown}; known: {', '.join(TABLES)}")
+    gpu = sees_gpu()
+    device = args.device if args.device != "auto" else ("gpu" if gpu else "cpu")
+    if device == "gpu" and not gpu:
+        parser.error("--device gpu: TensorFlow sees no GPU here (tf.config.list_physical_devices)")
+    if device == "cpu" and gpu:
+        # The CPU's tables time the CPU: hide the GPU from the benchmarks.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        tables = tables_for(device, args.only)
+    except ValueError as error:
+        parser.error(str(error))
+    names = list(tables)
     readme = README.read_text()
     marked = {m["name"] for m in MARKER.finditer(readme)}
     missing = sorted(set(names) - marked)
@@ -86,7 +150,7 @@ def main():
         parser.error(f"README.md has no <!-- benchmark: NAME --> block for {missing}")
     outputs, written = {}, {}
     for name in names:
-        arguments, index = TABLES[name]
+        arguments, index = tables[name]
         key = tuple(arguments)
         if key not in outputs:
             outputs[key] = run(arguments)

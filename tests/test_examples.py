@@ -163,8 +163,29 @@ def test_every_benchmark_table_has_its_place_in_the_readme():
     run_all = benchmark_module("run_all")
     readme = (ROOT / "README.md").read_text()
     marked = [m["name"] for m in run_all.MARKER.finditer(readme)]
-    assert sorted(marked) == sorted(run_all.TABLES)
-    for arguments, _ in run_all.TABLES.values():
+    assert sorted(marked) == sorted(list(run_all.TABLES) + list(run_all.GPU_TABLES))
+    for arguments, _ in [*run_all.TABLES.values(), *run_all.GPU_TABLES.values()]:
         assert (ROOT / "benchmarks" / arguments[0]).is_file(), arguments
     printed = "a line\n| a | b |\n|---|---|\n| 1 | 2 |\n\n(5 s)\n| c |\n|---|\n"
     assert run_all.tables_of(printed) == ["| a | b |\n|---|---|\n| 1 | 2 |", "| c |\n|---|"]
+
+
+def test_a_gpu_run_writes_its_own_tables_and_never_the_cpus():
+    """`run_all.py --device gpu` adds the GPU's figures beside the CPU's, never over them."""
+    run_all = benchmark_module("run_all")
+    assert all(name.startswith("gpu-") for name in run_all.GPU_TABLES)
+    assert not any(name.startswith("gpu-") for name in run_all.TABLES)
+    assert run_all.tables_for("gpu", None) == run_all.GPU_TABLES
+    assert run_all.tables_for("cpu", None) == run_all.TABLES
+    assert list(run_all.tables_for("gpu", "gpu-memory")) == ["gpu-memory"]
+    with pytest.raises(ValueError, match=r"throughput-wall.*CPU.*--device cpu"):
+        run_all.tables_for("gpu", "gpu-memory,throughput-wall")
+    with pytest.raises(ValueError, match=r"gpu-memory.*GPU.*--device gpu"):
+        run_all.tables_for("cpu", "gpu-memory")
+    with pytest.raises(ValueError, match=r"unknown.*'nothing'"):
+        run_all.tables_for("cpu", "nothing")
+    # Every GPU table times as users run it there: wall clock, TensorFlow's threads.
+    for name, (arguments, _) in run_all.GPU_TABLES.items():
+        if arguments[0] in ("throughput.py", "step_time.py"):
+            assert arguments[arguments.index("--clock") + 1] == "wall", name
+            assert arguments[arguments.index("--threads") + 1] == "0", name
