@@ -55,13 +55,11 @@ TABLES = {
 # launch overhead there), timed as users run them (wall clock, TensorFlow's
 # threads; Keras' `jit_compile="auto"` picks XLA), and peak memory read from
 # the GPU's allocator. Rounds are fewer: a lent machine is held for minutes.
+GPU_THROUGHPUT = ["throughput.py", "--width", "4096", "--micro-batch", "64", "--steps", "4",
+                  "--samples", "16384", "--rounds", "10", "--clock", "wall", "--threads", "0"]
 GPU_TABLES = {
-    "gpu-throughput-epochs": (["throughput.py", "--width", "4096", "--micro-batch", "64",
-                               "--steps", "4", "--samples", "16384", "--rounds", "10",
-                               "--clock", "wall", "--threads", "0"], 0),
-    "gpu-throughput": (["throughput.py", "--width", "4096", "--micro-batch", "64",
-                        "--steps", "4", "--samples", "16384", "--rounds", "10",
-                        "--clock", "wall", "--threads", "0"], 1),
+    "gpu-throughput-epochs": (GPU_THROUGHPUT, 0),  # one run gives both tables
+    "gpu-throughput": (GPU_THROUGHPUT, 1),
     "gpu-step-time": (["step_time.py", "--width", "4096", "--micro-batch", "64",
                        "--rounds", "60", "--clock", "wall", "--threads", "0"], 1),
     "gpu-memory": (["memory.py", "--repeats", "2"], 0),
@@ -131,12 +129,13 @@ def main():
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                         help="which set to run and write (auto: gpu where TensorFlow sees one)")
     args = parser.parse_args()
-    gpu = sees_gpu()
-    device = args.device if args.device != "auto" else ("gpu" if gpu else "cpu")
-    if device == "gpu" and not gpu:
+    device = args.device
+    if device == "auto":
+        device = "gpu" if sees_gpu() else "cpu"
+    elif device == "gpu" and not sees_gpu():
         parser.error("--device gpu: TensorFlow sees no GPU here (tf.config.list_physical_devices)")
-    if device == "cpu" and gpu:
-        # The CPU's tables time the CPU: hide the GPU from the benchmarks.
+    if device == "cpu":
+        # The CPU's tables time the CPU: hide any GPU from the benchmarks.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         tables = tables_for(device, args.only)
