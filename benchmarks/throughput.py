@@ -180,9 +180,13 @@ def median_interval(values, confidence=0.95, resamples=4000):
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
-def verdict(median, lower, upper):
-    """"within noise" where the median's interval holds 1, else "slower" or "faster"."""
-    if lower <= 1.0 <= upper:
+def verdict(median, lower, upper, digits=3):
+    """"within noise" where the median's interval holds 1, else "slower" or "faster".
+
+    The interval is read at the `digits` the tables print it with, so that the verdict
+    agrees with the figures beside it (an upper end of 0.99996 is printed 1.000).
+    """
+    if round(lower, digits) <= 1.0 <= round(upper, digits):
         return "within noise"
     return "slower" if median > 1 else "faster"
 

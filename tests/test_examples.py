@@ -86,6 +86,18 @@ def test_step_time_benchmark_table():
         assert (verdict.strip() == "within noise") == (lower <= 1.0 <= upper), (name, phase)
 
 
+@pytest.mark.parametrize("lower, upper, expected", [
+    (0.9701, 0.99996, "within noise"),  # printed 0.970-1.000: the interval shown holds 1
+    (1.00004, 1.03, "within noise"),    # printed 1.000-1.030
+    (0.97, 0.9994, "faster"),           # printed 0.970-0.999
+    (1.0006, 1.03, "slower"),           # printed 1.001-1.030
+])
+def test_a_verdict_reads_the_interval_as_it_is_printed(lower, upper, expected):
+    """CI once printed "1.000" as an interval's end and called it "faster" beside it."""
+    verdict = benchmark_module("throughput").verdict
+    assert verdict((lower + upper) / 2, lower, upper) == expected
+
+
 def dashboard_runs(log_dir):
     """{run: updates} as the dashboard lists them."""
     from tensorboard import context
