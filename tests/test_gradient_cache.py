@@ -138,6 +138,38 @@ def test_a_one_sample_micro_batch_and_a_weightless_one_are_the_large_batch():
     assert all(np.isfinite(w).all() for w in result.model.get_weights())
 
 
+@pytest.mark.once
+def test_a_window_whose_sample_weights_are_all_zero_is_the_large_batch():
+    """A whole window weighs 0 (its loss is 0; AdamW's decay still moves the weights)."""
+    n = 24
+    x, y = _data(n)
+    sample_weight = np.ones(n, "float32")
+    sample_weight[:12] = 0.0  # the first window of each epoch
+    result = compare(lambda: build("in_batch", "adamw"), x, y, micro=4, steps=3, epochs=2,
+                     sample_weight=sample_weight)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build("in_batch", "adamw")) > 1e-2
+    assert all(np.isfinite(w).all() for w in result.model.get_weights())
+
+
+@pytest.mark.once
+def test_nan_in_one_micro_batch_spoils_the_window_as_it_spoils_the_large_batch():
+    """A NaN input in one micro-batch reaches every sample's loss through the
+    in-batch negatives: the window's update is NaN where the large batch's is,
+    and finite where it is finite (equal within 1e-5)."""
+    n = 24
+    x, y = _data(n)
+    x[0][17, 2] = np.nan  # the second window's second micro-batch
+    result = compare(lambda: build("in_batch", "sgd_momentum"), x, y, micro=4, steps=3)
+    assert len(result.ours) == len(result.theirs) == 2
+    for ours, theirs in zip(result.ours, result.theirs):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, equal_nan=True)
+    assert np.isfinite(np.concatenate([w.ravel() for w in result.ours[0]])).all()
+    assert not np.isfinite(np.concatenate([w.ravel() for w in result.ours[1]])).all()
+
+
 def test_the_reported_loss_is_the_large_batch_loss():
     x, y = _data(36)
     model = build()
@@ -149,15 +181,9 @@ def test_the_reported_loss_is_the_large_batch_loss():
     assert history.history["loss"][0] != history.history["loss"][1]
 
 
-@pytest.mark.keras3
-def test_the_second_forward_pass_draws_the_first_passes_dropout_masks():
-    """Against the large batch of the same masks: each micro-batch's forward pass
-    (masks drawn in order, as the callback's first passes draw them) in one tape."""
-    x, y = _data(24)
-    model = build(dropout=0.5)
-    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
-        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
-    reference = build(dropout=0.5)
+def _same_draws(reference, x):
+    """The large batch of the same draws: windows of 3 micro-batches of 4 (24
+    samples), each micro-batch's forward pass in order, in one tape."""
     loss = reference.loss
     reference.optimizer.build(reference.trainable_variables)
     for start in (0, 12):
@@ -168,8 +194,96 @@ def test_the_second_forward_pass_draws_the_first_passes_dropout_masks():
             value = tf.reduce_mean(loss(None, outputs))
         grads = tape.gradient(value, reference.trainable_variables)
         reference.optimizer.apply(grads, reference.trainable_variables)
+    return reference
+
+
+@pytest.mark.keras3
+def test_the_second_forward_pass_draws_the_first_passes_dropout_masks():
+    """Against the large batch of the same masks: each micro-batch's forward pass
+    (masks drawn in order, as the callback's first passes draw them) in one tape."""
+    x, y = _data(24)
+    model = build(dropout=0.5)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    reference = _same_draws(build(dropout=0.5), x)
     assert max_diff(reference, model) < 1e-5
     assert max_diff(build(dropout=0.5), model) > 1e-2
+
+
+class Noise(keras.layers.Layer):
+    """Multiplies its inputs by 1 + 0.3 u, u uniform, drawn from `source` (training only)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+        if source == "layer_seed":
+            self.seed_generator = keras.random.SeedGenerator(7)
+        if source == "tf_generator":
+            self.generator = tf.random.Generator.from_seed(1)
+
+    def call(self, inputs, training=False):
+        if not training:
+            return inputs
+        shape = tf.shape(inputs)
+        if self.source == "layer_seed":
+            noise = keras.random.uniform(shape, seed=self.seed_generator)
+        elif self.source == "global_seed":
+            noise = keras.random.uniform(shape)
+        elif self.source == "tf_stateful":
+            noise = tf.random.uniform(shape)
+        elif self.source == "tf_stateful_in_a_cond":
+            noise = tf.cond(shape[0] > 0, lambda: tf.random.uniform(shape), lambda: tf.zeros(shape))
+        elif self.source == "tf_generator":
+            noise = self.generator.uniform(shape)
+        return inputs * (1.0 + 0.3 * noise)
+
+
+def _noisy(source, run_eagerly=False):
+    """The two towers, the first with noise before its weights (where a replay matters)."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.Input((FEATURES,)), keras.Input((FEATURES,))
+    if source == "gaussian_noise":
+        noise = keras.layers.GaussianNoise(0.3, seed=5, name="noise")
+    else:
+        noise = Noise(source, name="noise")
+    model = keras.Model([first, second], keras.layers.Concatenate()(
+        [_tower()(noise(first)), _tower()(second)]))
+    model.compile(_optimizer("adamw"), loss=LOSSES["in_batch"](), jit_compile=False,
+                  run_eagerly=run_eagerly)
+    return model
+
+
+@pytest.mark.keras3
+@pytest.mark.parametrize("source", ["layer_seed", "global_seed", "gaussian_noise"])
+def test_noise_drawn_from_seed_generators_is_replayed_exactly(source):
+    """Against the large batch of the same draws: each micro-batch's forward pass
+    in order (as the callback's first passes draw them), in one tape."""
+    x, y = _data(24)
+    model = _noisy(source)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=3)])
+    reference = _same_draws(_noisy(source), x)
+    assert max_diff(reference, model) < 1e-5
+    assert max_diff(_noisy(source), model) > 1e-2
+
+
+@pytest.mark.keras3
+@pytest.mark.parametrize("source, run_eagerly, op", [
+    ("tf_stateful", False, "RandomUniform"),
+    ("tf_stateful_in_a_cond", False, "RandomUniform"),
+    ("tf_generator", False, "RngReadAndSkip"),
+    ("tf_stateful", True, "RandomUniform"),
+], ids=["tf_stateful", "in_a_cond", "tf_generator", "run_eagerly"])
+def test_noise_the_replay_cannot_draw_again_is_refused_by_name(source, run_eagerly, op):
+    x, y = _data(16)
+    model = _noisy(source, run_eagerly=run_eagerly)
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(RuntimeError, match=rf"cannot draw again: a stateful TensorFlow random op "
+                       rf"\({op}, '[^']*'\) in layer 'noise'.*seed=self.seed_generator"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[
+            tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+    assert max_diff(before, model) == 0
 
 
 def mean_output(y_true, y_pred):

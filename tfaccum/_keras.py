@@ -16,6 +16,7 @@ tf_keras 2.16.0).
 
 import contextlib
 import inspect
+import os
 import sys
 
 import keras
@@ -327,14 +328,39 @@ def trains_with_keras_step(model):
     return False
 
 
+# Keras 3's backends tfaccum accumulates on (tf_keras is TensorFlow's alone).
+SUPPORTED_BACKENDS = ("tensorflow",)
+
+
+def check_backend(model=None):
+    """Raises unless Keras 3 runs on a backend tfaccum serves (public: `keras.backend.backend()`).
+
+    Without a `model` (a callback made before `fit`), a user of tf_keras,
+    which runs on TensorFlow whatever Keras 3's backend, is not refused.
+    """
+    if model is not None and is_tf_keras_model(model):
+        return
+    backend = keras.backend.backend()
+    if backend in SUPPORTED_BACKENDS or (model is None and "tf_keras" in sys.modules):
+        return
+    raise ValueError(
+        f"tfaccum accumulates gradients on Keras 3's TensorFlow backend (and on tf_keras), "
+        f"but Keras is running on its {backend!r} backend, which tfaccum does not support "
+        f"yet. Received: keras.backend.backend()={backend!r} "
+        f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND=tensorflow "
+        "before Keras is first imported.")
+
+
 def api_for_model_argument(value, argument):
-    """`api_for(value)`, or a clear error naming `argument` if it is no model."""
+    """`api_for(value)`, or a clear error naming `argument` if it is no model
+    or runs on a Keras backend tfaccum does not serve."""
     if not is_model(value):
         raise TypeError(
             f"`{argument}` must be a compiled Keras model (keras.Model or "
             f"tf_keras.Model). Received: {argument}={value!r} (of type "
             f"{type(value).__name__})"
         )
+    check_backend(value)
     return api_for(value)
 
 
@@ -839,6 +865,20 @@ def seed_states(model):
     return states
 
 
+def global_seed_state():
+    """The state of Keras' global seed generator, made now if it is not yet.
+
+    `keras.random.*` called without a seed draws from it (and moves it):
+    set back, a forward pass draws the same numbers again. Made eagerly
+    here so that no step makes it while it traces. Private:
+    `keras.src.random.seed_generator.global_seed_generator` (Keras 3.7-3.15).
+    """
+    from keras.src.random.seed_generator import global_seed_generator
+
+    with tf.init_scope():
+        return global_seed_generator().state
+
+
 def random_layers(model):
     """Names of `model`'s tf_keras layers that draw random numbers ([] on Keras 3).
 
@@ -916,3 +956,50 @@ def scaled_loss(optimizer, loss):
 def metrics_result(model):
     """The logs a train step returns (`Model.get_metrics_result`, public on both)."""
     return model.get_metrics_result()
+
+
+# -- what a model's training changes --------------------------------------------------
+
+
+def stateful_variables(model):
+    """Every variable `model`'s training may change: weights, seed generators,
+    metrics, and the variables of each optimizer the model holds as an attribute
+    (`model.optimizer`, a GAN's `d_optimizer`, ...).
+
+    Public on both: `Model.variables`, `Model.metrics` and their `variables`,
+    an optimizer's `variables` (a property in Keras 3, a method in tf_keras).
+    """
+    found, seen = [], set()
+
+    def add(variables):
+        for variable in variables() if callable(variables) else variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+
+    add(model.variables)
+    for metric in getattr(model, "metrics", ()):
+        add(metric.variables)
+    holders = [model.optimizer] + list(vars(model).values())
+    for value in holders:
+        if _is_optimizer(value):
+            add(value.variables)
+    return found
+
+
+def other_optimizers(model):
+    """`(attribute, optimizer)` for each optimizer `model` holds besides its own.
+
+    A GAN's `compile(d_optimizer=..., g_optimizer=...)` keeps them as
+    attributes (public: instance attributes of the user's model).
+    """
+    own = model.optimizer
+    inner = getattr(own, "inner_optimizer", None)
+    return [(name, value) for name, value in vars(model).items()
+            if _is_optimizer(value) and value is not own and value is not inner]
+
+
+def _is_optimizer(value):
+    return (value is not None and not isinstance(value, type)
+            and callable(getattr(value, "apply_gradients", None))
+            and hasattr(type(value), "iterations"))  # (asking an instance may make it)

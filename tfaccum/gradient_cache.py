@@ -20,6 +20,8 @@ per sample. With several replicas of one machine (`ReplicatedGradientCache`)
 the window's outputs are gathered across them once per window.
 """
 
+import re
+
 import tensorflow as tf
 
 from tfaccum import _keras
@@ -198,6 +200,56 @@ def _kept(parts):
             if name != "seeds" and value is not None}
 
 
+# TensorFlow's stateful random ops: a second forward pass draws other numbers.
+_STATEFUL_RANDOM = frozenset((
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "RandomGamma", "RandomPoisson",
+    "RandomPoissonV2", "Multinomial", "RandomCrop", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulStandardNormal", "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal", "StatefulRandomBinomial",
+    # `tf.random.Generator` moves its state by these, then draws statelessly.
+    "RngReadAndSkip", "RngSkip"))
+
+
+def unreplayable_random_ops(operations):
+    """`(type, name)` of each stateful random op among `operations`, at any depth.
+
+    Looks into the functions they call (`tf.cond` and `tf.while_loop`
+    branches, nested `tf.function`s) through the graph's function library.
+    """
+    operations = list(operations)
+    if not operations:
+        return []
+    library = {f.signature.name: f for f in
+               operations[0].graph.as_graph_def().library.function}
+    found, seen = [], set()
+
+    def visit(node, path):
+        if node.op in _STATEFUL_RANDOM:
+            found.append((node.op, path))
+        for value in node.attr.values():
+            names = [value.func.name] + [f.name for f in value.list.func]
+            for name in names:
+                if name in library and name not in seen:
+                    seen.add(name)
+                    for inner in library[name].node_def:
+                        visit(inner, f"{path}/{inner.name}")
+
+    for operation in operations:
+        visit(operation.node_def, operation.name)
+    return found
+
+
+def _layer_of(op_name, model):
+    """The innermost of `model`'s layers named in `op_name`'s scopes (or the model)."""
+    names = {layer.name for layer in _keras.flatten_layers(model)}
+    # A scope entered again while tracing gets a suffix (`noise_1`).
+    scopes = [scope if scope in names else re.sub(r"_\d+$", "", scope)
+              for scope in op_name.split("/")]
+    scopes = [scope for scope in scopes if scope in names]
+    return scopes[-1] if scopes else model.name
+
+
 class GradientCache(OneDevice):
     """The train step and window end of a model compiled with a `WindowLoss`.
 
@@ -228,10 +280,16 @@ class GradientCache(OneDevice):
         model = self.model
         x, y, sample_weight = _keras.unpack_x_y_sample_weight(data)
         if self._seed_states is None:
+            self._layer_seeds = len(_keras.seed_states(model))
             self._seed_states = _keras.seed_states(model)
+            if not _keras.is_tf_keras_model(model):
+                self._seed_states.append(_keras.global_seed_state())
         seeds = [tf.convert_to_tensor(state) for state in self._seed_states]  # before it draws
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        first = 0 if graph is None else len(graph.get_operations())
         y_pred = self._forward(x)
-        self._check_traced(x, y_pred)
+        forward = None if graph is None else graph.get_operations()[first:]
+        self._check_traced(x, y_pred, forward)
         samples = count_samples(data)
         parts = dict(x=x, y=y, sample_weight=sample_weight, y_pred=y_pred, seeds=seeds)
         if self.buffers is None:
@@ -245,8 +303,11 @@ class GradientCache(OneDevice):
         self.after_micro_step()  # ends a full window
         return _keras.metrics_result(model)
 
-    def _check_traced(self, x, y_pred):
-        """Raises `StepError` for what the step shows it cannot replay or keep."""
+    def _check_traced(self, x, y_pred, forward):
+        """Raises `StepError` for what the step shows it cannot replay or keep.
+
+        `forward`: the operations the forward pass made while it traced.
+        """
         model = self.model
         if model.losses:
             raise StepError(
@@ -254,11 +315,27 @@ class GradientCache(OneDevice):
                 "weight or activity regularizers, `add_loss`), which a window-wide "
                 "loss does not take yet: the window's loss would miss them. Remove "
                 "the regularizers, or compile with an ordinary loss.")
-        if len(_keras.seed_states(model)) != len(self._seed_states):
+        if len(_keras.seed_states(model)) != self._layer_seeds:
             raise StepError(
                 f"Model {model.name!r} made seed generators in its first step (it was "
                 "built by it): their dropout masks could not be drawn again. Build the "
                 "model before `fit` (call it once on a batch, or give it an `Input`).")
+        if forward is None:  # run eagerly: the first step's forward pass, traced apart
+            forward = self._traced_forward(x) if self.buffers is None else []
+        drawn = unreplayable_random_ops(forward)
+        if drawn:
+            op_type, op_name = drawn[0]
+            layer = _layer_of(op_name, model)
+            raise StepError(
+                f"Model {model.name!r} draws random numbers that the second forward pass "
+                "of its window-wide loss cannot draw again: a stateful TensorFlow random "
+                f"op ({op_type}, {op_name!r}) in layer {layer!r}"
+                f"{f' and {len(drawn) - 1} more' if len(drawn) > 1 else ''}. The window's "
+                "gradients would flow through other draws than the ones its loss saw. Draw "
+                "them from a Keras seed generator, which tfaccum replays: a seeded layer "
+                "(`keras.layers.GaussianNoise(stddev, seed=...)`, `Dropout(rate, "
+                "seed=...)`) or `keras.random.normal(shape, seed=self.seed_generator)` "
+                "with a `keras.random.SeedGenerator` made in the layer's `__init__`.")
         masked = [getattr(output, "_keras_mask", None) is not None
                   for output in tf.nest.flatten(y_pred)]
         if any(masked):
@@ -273,6 +350,12 @@ class GradientCache(OneDevice):
                     f"shape per sample. Received: an input of shape {leaf.shape} for model "
                     f"{model.name!r}. Pad them to one length (e.g. `padded_batch` with "
                     "`padded_shapes`, or `keras.utils.pad_sequences(maxlen=...)`).")
+
+    def _traced_forward(self, x):
+        """The operations of the forward pass, traced apart (a step run eagerly)."""
+        specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, x)
+        function = tf.function(self._forward, autograph=False)
+        return function.get_concrete_function(specs).graph.get_operations()
 
     def _create(self, make):
         make()

@@ -22,6 +22,7 @@ from tfaccum.moments import window_observers
 from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
+from tfaccum.rollback import StepRollback
 from tfaccum.gradient_cache import GradientCache
 from tfaccum.gradient_cache import ReplicatedGradientCache
 from tfaccum.step import StepError
@@ -90,7 +91,7 @@ class AccumulationHook:
             shapes) and `"dense"` is used, with a warning.
         accumulator_dtype: `"float32"` (the default; float64 variables keep
             float64) or `"bfloat16"`: dense accumulators of half the size
-            (not yet a lower peak: README, "Memory"),
+            (a lower peak only under a pooling allocator: README, "Memory"),
             each micro-step summed in float32 and rounded stochastically
             (see `tfaccum.precision`). Rows (`sparse_gradients="rows"`) stay
             float32. Refused with several replicas.
@@ -168,6 +169,7 @@ class AccumulationHook:
                 model, self.state, self._tracer.apply_gradients, self.observers,
                 skip_nonfinite=self.skip_nonfinite)
         self.installation = ModelInstallation(model, self._train_step, self)
+        self._rollback = StepRollback(model)
         self._functions = {}
         self._host_runs = {}
         self._replication.prepare()
@@ -209,6 +211,7 @@ class AccumulationHook:
         # train step traces.
         for observer in self.observers:
             observer.on_install(self)
+        self._rollback.arm()
         self.installation.install()
 
     def can_reinstall(self):
@@ -362,6 +365,10 @@ class AccumulationHook:
     # -- the per-step graph -------------------------------------------------------
 
     def _train_step(self, data):
+        with self._rollback.guard():  # a refusal leaves the model as it was
+            return self._accumulating_step(data)
+
+    def _accumulating_step(self, data):
         if self.window_loss is not None:
             try:
                 return self._replication.train_step(data)

@@ -102,6 +102,7 @@ class _Step:
         self.every_sample_counts = False
         self.weight = None
         self.weighted = False
+        self.others = []  # the model's other optimizers that applied gradients
 
 
 class StepTracer:
@@ -136,7 +137,14 @@ class StepTracer:
         self.loss_seen = False  # whether a traced step showed its loss
         self._apply_patch = InstancePatch(self._optimizer, self._api.apply_method, self._apply)
         self._loss_patch = InstancePatch(self._optimizer, self._api.loss_method, self._scale_loss)
-        self._patches = SharedPatches([self._apply_patch, self._loss_patch])
+        # The model's other optimizers (a GAN's) are watched: an update
+        # through them could not be accumulated.
+        self._others = _keras.other_optimizers(model)
+        others = [InstancePatch(optimizer, self._api.apply_method, None)
+                  for _, optimizer in self._others]
+        for (name, _), patch in zip(self._others, others):
+            patch.value = self._other_apply(name, patch)
+        self._patches = SharedPatches([self._apply_patch, self._loss_patch] + others)
 
     def apply_gradients(self, grads, variables, reduced=False):
         """Applies `grads` through the optimizer's own (unpatched) method."""
@@ -152,6 +160,20 @@ class StepTracer:
             logs = original(data)
         if step.applies == 0 and not self.model.trainable_weights:
             return logs, "nothing to train"
+        known = {id(optimizer) for _, optimizer in self._others}
+        made = [name for name, optimizer in _keras.other_optimizers(self.model)
+                if id(optimizer) not in known]
+        if step.others or made:
+            raise StepError(
+                f"The `train_step` of model {self.model.name!r} updates weights through "
+                "optimizers other than `self.optimizer`: "
+                f"{sorted(set(step.others))} applied gradients"
+                f"{f' and {made} were made in the step' if made else ''}. "
+                "Gradient accumulation collects the gradients of the model's one "
+                "optimizer, `self.optimizer`; a `train_step` with several optimizers "
+                "(a GAN's generator and discriminator) is not supported. Train it "
+                "without accumulation, or accumulate each part as a model of its own."
+            )
         if step.applies != 1 or step.scales > 1:
             raise StepError(
                 f"The `train_step` of model {self.model.name!r} applied "
@@ -222,6 +244,14 @@ class StepTracer:
                 step.items = step.samples
                 step.every_sample_counts = True
             step.weight = self._weigh(step.samples, step.items, step.every_sample_counts)
+
+    def _other_apply(self, name, patch):
+        @tf.autograph.experimental.do_not_convert
+        def apply(*args, **kwargs):
+            self._local.step.others.append(name)
+            return patch.original()(*args, **kwargs)
+
+        return apply
 
     # The hook's graph code needs no AutoGraph (tf_keras converts the train
     # step, and with it whatever the step calls; TensorFlow 2.16's converter
