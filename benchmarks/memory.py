@@ -14,6 +14,11 @@ accumulators tfaccum must hold (one float32 copy of the trainable weights:
 1.0).
 
     python benchmarks/memory.py [--repeats 3] [--width 3072] [--variants a,b]
+    python benchmarks/memory.py --allocator default   # peak resident set instead
+
+`--allocator default` leaves TensorFlow's CPU allocator as a CPU user runs it
+(no BFC) and reports each process's peak resident set size (`ru_maxrss`)
+instead: what `top` shows, with the C allocator's caching in it.
 
 Variants:
   plain          micro-batches of 16, no accumulation (the baseline)
@@ -50,7 +55,8 @@ def run_variant(variant, args):
     # bytes and its peak (`get_memory_info`), as on a GPU. The resident set
     # size, also printed, moves with the C allocator's caching by +-0.4
     # parameter bytes from one process to the next.
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    if args.allocator == "bfc":
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     import keras
     import numpy as np
     import tensorflow as tf
@@ -93,15 +99,17 @@ def run_variant(variant, args):
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     tf.config.experimental.reset_memory_stats(device)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-    peak = tf.config.experimental.get_memory_info(device)["peak"]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = rss
+    if args.allocator == "bfc" or device != "CPU:0":
+        peak = tf.config.experimental.get_memory_info(device)["peak"]
     print(json.dumps({"peak": peak, "rss": rss, "weights": weights}))
 
 
 def measure(variant, args):
     command = [sys.executable, __file__, "--variant-only", variant, "--width", str(args.width),
                "--micro", str(args.micro), "--steps", str(args.steps),
-               "--samples", str(args.samples)]
+               "--samples", str(args.samples), "--allocator", args.allocator]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -114,6 +122,9 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--allocator", choices=("bfc", "default"), default="bfc",
+                        help="bfc: TensorFlow's peak allocation; default: the CPU's "
+                             "default allocator, peak resident set size")
     parser.add_argument("--variant-only", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant_only:
@@ -133,8 +144,10 @@ def main():
             weights = result["weights"] if variant == "plain" else weights
         for variant in variants:
             extra[variant].append((peaks[variant] - peaks["plain"]) / weights)
+    what = ("peak resident set size (default CPU allocator)" if args.allocator == "default"
+            else "peak memory")
     print(f"Dense {args.width}x3 ({weights / 4 / 1e6:.1f}M weights, {weights / 2**20:.0f} MiB), "
-          f"micro-batch {args.micro}, accumulation_steps={args.steps}; peak memory over plain "
+          f"micro-batch {args.micro}, accumulation_steps={args.steps}; {what} over plain "
           f"micro-batch training, in parameter bytes: median (min-max) of {args.repeats} rounds "
           "of fresh processes")
     print("| variant | extra peak memory | floor |")

@@ -45,6 +45,8 @@ TABLES = {
     "step-time-cpu": (["step_time.py", "--width", "512", "--micro-batch", "8", "--steps", "8",
                        "--rounds", "400", "--clock", "cpu", "--threads", "1"], 1),
     "memory": (["memory.py", "--repeats", "3"], 0),
+    "memory-rss": (["memory.py", "--repeats", "3", "--allocator", "default",
+                    "--variants", "keras,tfaccum,bfloat16"], 0),
     "step-ops": (["step_ops.py"], 0),
     "precision": (["precision.py"], 0),
     "sparse-window": (["sparse_window.py"], 0),

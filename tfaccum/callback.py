@@ -113,8 +113,10 @@ class GradientAccumulationCallback(_keras.Callback):
             variable. Defaults to `"rows"` (`"dense"`, with a warning, under
             `jit_compile=True` and with several replicas).
         accumulator_dtype: `"float32"` (the default) or `"bfloat16"`: the
-            dense accumulators hold half as much between steps (the step's
-            peak is not lower yet: README, "Memory"); each micro-step is
+            dense accumulators hold half as much, and the peak is lower under
+            a pooling allocator (a GPU's, or the CPU's with
+            `TF_CPU_ALLOCATOR_USE_BFC=true`) but higher than float32's on the
+            CPU's default allocator (README, "Memory"); each micro-step is
             summed in float32 and rounded stochastically, so the window's sum
             is the float32 sum on average (README: "Reduced-precision
             accumulators" says how far it strays). Sparse rows stay float32.
@@ -158,6 +160,7 @@ class GradientAccumulationCallback(_keras.Callback):
         **kwargs,
     ):
         checks.reject_unknown(kwargs, list(_OPTIONS))
+        _keras.check_backend()
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)
         self.accumulation_steps = accumulation_steps
