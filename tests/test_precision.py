@@ -16,8 +16,8 @@ from reference import keras
 from reference import max_diff
 
 from tfaccum import GradientAccumulationCallback
+from tfaccum import accumulators
 from tfaccum import precision
-from tfaccum import window
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_what_bfloat16_holds():
@@ -190,7 +190,7 @@ def test_a_large_variable_is_emptied_in_place_a_slice_at_a_time(monkeypatch):
     """No tensor of the whole variable is made: the window's end held zeros of
     it beside the variable, and the assignment copied them into a third buffer."""
     monkeypatch.setattr(precision, "CHUNK", 64)  # 40 x 8: slices of 8 rows
-    accumulator = window._BFloat16Accumulator(
+    accumulator = accumulators.BFloat16Accumulator(
         tf.Variable(tf.zeros([40, 8])), tf.VariableSynchronization.AUTO,
         tf.VariableAggregation.NONE)
     accumulator.variable.assign(tf.ones([40, 8], tf.bfloat16))

@@ -9,6 +9,9 @@ an optimizer (a GAN's two, or one made lazily by the step).
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -281,10 +284,6 @@ for make in (lambda: tfaccum.GradientAccumulationCallback(accumulation_steps=2),
 
 @pytest.mark.once
 def test_the_jax_backend_is_refused_by_name_when_the_callback_or_hook_is_made():
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
     out = subprocess.run([sys.executable, "-c", _ON_JAX], env=env, capture_output=True,
@@ -300,6 +299,9 @@ def test_the_jax_backend_is_refused_by_name_when_the_callback_or_hook_is_made():
 @pytest.mark.keras3
 def test_the_torch_backend_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    # A callback made where tf_keras is loaded may be for a tf_keras model: its
+    # model is checked at `fit` (the hook's check below).
+    monkeypatch.delitem(sys.modules, "tf_keras", raising=False)
     with pytest.raises(ValueError, match=r"running on its 'torch' backend.*Received: "
                        r"keras.backend.backend\(\)='torch'"):
         tfaccum.GradientAccumulationCallback(accumulation_steps=2)

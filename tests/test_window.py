@@ -9,10 +9,10 @@ from reference import make_model
 
 from tfaccum import AccumulationHook
 from tfaccum.observers import WindowObserver
-from tfaccum.window import AccumulationWindow
-from tfaccum.window import Counts
-from tfaccum.window import TOTAL_COUNTS
-from tfaccum.window import WINDOW_COUNTS
+from tfaccum.accumulators import Accumulators
+from tfaccum.counts import TOTAL_COUNTS
+from tfaccum.counts import WINDOW_COUNTS
+from tfaccum.counts import Counts
 
 
 def test_counts_are_read_and_written_by_name():
@@ -31,7 +31,7 @@ def test_counts_are_read_and_written_by_name():
 
 
 def test_window_adds_weighted_dense_and_sparse_gradients():
-    window = AccumulationWindow(tf.distribute.get_strategy())
+    window = Accumulators(tf.distribute.get_strategy())
     dense_variable = tf.Variable(tf.zeros((2,)))
     table = tf.Variable(tf.zeros((5, 2)))
     sparse = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([1, 1]), tf.constant([5, 2]))
@@ -54,7 +54,7 @@ def test_window_adds_weighted_dense_and_sparse_gradients():
 
 
 def test_dense_window_sums_sparse_rows():
-    window = AccumulationWindow(tf.distribute.get_strategy(), sparse_rows=False)
+    window = Accumulators(tf.distribute.get_strategy(), sparse_rows=False)
     table = tf.Variable(tf.zeros((5, 2)))
     sparse = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([1, 1]), tf.constant([5, 2]))
     window.track([sparse], [table])
@@ -110,13 +110,13 @@ def test_a_new_observer_is_told_everything():
 def test_hook_holds_one_window():
     model = make_model()
     hook = AccumulationHook(model, accumulation_steps=2)
-    assert isinstance(hook.window, AccumulationWindow)
+    assert isinstance(hook.window, Accumulators)
     assert hook.counts is hook.window.counts
     hook.remove()
 
 
 def test_nbytes_is_what_the_accumulators_hold():
-    window = AccumulationWindow(tf.distribute.get_strategy())
+    window = Accumulators(tf.distribute.get_strategy())
     table = tf.Variable(tf.zeros((1000, 4)))
     dense_variable = tf.Variable(tf.zeros((3, 5)))
     rows = tf.IndexedSlices(tf.ones((6, 4)), tf.range(6), tf.constant([1000, 4]))
@@ -125,13 +125,13 @@ def test_nbytes_is_what_the_accumulators_hold():
     window.add([rows, tf.ones((3, 5))], [table, dense_variable])
     window.add([rows, tf.ones((3, 5))], [table, dense_variable])
     assert window.nbytes() == 15 * 4 + 12 * (4 * 4 + 8)  # 12 rows of 4 floats and an int64
-    dense = AccumulationWindow(tf.distribute.get_strategy(), sparse_rows=False)
+    dense = Accumulators(tf.distribute.get_strategy(), sparse_rows=False)
     dense.track([rows], [table])
     assert dense.nbytes() == 1000 * 4 * 4
 
 
 def test_rows_made_ahead_are_taken_by_the_trace_which_then_makes_no_variable():
-    window = AccumulationWindow(tf.distribute.get_strategy())
+    window = Accumulators(tf.distribute.get_strategy())
     table, tied = tf.Variable(tf.zeros((1000, 4))), tf.Variable(tf.zeros((50, 4)))
     window.create_dense([table, tied], provisional=True)
     window.create_rows([table, tied])  # `tied` will get a dense gradient
@@ -154,7 +154,7 @@ def test_accumulators_made_ahead_follow_what_the_step_gives():
     # Made before the first trace (the step then traces once): the trace
     # keeps a dense one, gives a sparse gradient its rows, and drops one
     # whose variable gets no gradient (it would hold a copy for nothing).
-    window = AccumulationWindow(tf.distribute.get_strategy())
+    window = Accumulators(tf.distribute.get_strategy())
     table = tf.Variable(tf.zeros((1000, 4)))
     kernel = tf.Variable(tf.zeros((3, 5)))
     unused = tf.Variable(tf.zeros((7,)))

@@ -3,8 +3,11 @@
 from tfaccum import _keras
 from tfaccum import checks
 from tfaccum.hook import AccumulationHook
-from tfaccum import reduction as reductions
+from tfaccum.configuration import Configuration
+from tfaccum.counts import Counters
+from tfaccum.counts import with_counter_properties
 from tfaccum.fit_scope import FitScope
+from tfaccum.moments import BatchNormWindows
 from tfaccum.moments import accumulating_layers
 from tfaccum.moments import window_observers
 from tfaccum.noise_scale import NoiseScaleEstimator
@@ -29,6 +32,7 @@ _OPTIONS = {
 }
 
 
+@with_counter_properties
 class GradientAccumulationCallback(_keras.Callback):
     """Trains with micro-batches as if the batch were `accumulation_steps` times larger.
 
@@ -60,7 +64,8 @@ class GradientAccumulationCallback(_keras.Callback):
             `tfaccum.count_items()`. `"samples"` always weights by samples
             (exact for losses averaged per sample); `"mean"` weights
             micro-batches equally (Keras' built-in behaviour); `"sum"` adds
-            them without dividing (for losses reduced with `"sum"`).
+            them without dividing (for losses reduced with `"sum"`). A
+            `tfaccum.Reduction` instance is a weighting of your own.
             Defaults to `"auto"`.
         leftover: What happens to a window that is not full when an epoch
             ends. `"flush"` applies it, normalised by what it holds, before
@@ -112,7 +117,8 @@ class GradientAccumulationCallback(_keras.Callback):
             into a dense accumulator and applied densely; memory: the whole
             variable. Defaults to `"rows"` (`"dense"`, with a warning, under
             `jit_compile=True` and with several replicas).
-        accumulator_dtype: `"float32"` (the default) or `"bfloat16"`: the
+        accumulator_dtype: `"float32"` (the default; float64 variables keep
+            float64 accumulators) or `"bfloat16"`: the
             dense accumulators hold half as much, and the peak is lower under
             a pooling allocator (a GPU's, or the CPU's with
             `TF_CPU_ALLOCATOR_USE_BFC=true`) but higher than float32's on the
@@ -122,16 +128,11 @@ class GradientAccumulationCallback(_keras.Callback):
             accumulators" says how far it strays). Sparse rows stay float32.
             Refused under a strategy with several replicas.
 
-    Attributes (integers counted over the last `fit`):
-        micro_steps: Micro-batches trained on.
-        optimizer_steps: Optimizer updates made.
-        flushes: Partial windows applied at epoch or `fit` end.
-        dropped_micro_steps: Micro-batches discarded by `leftover="drop"`.
-        nonfinite_skips: Micro-batches left out for non-finite gradients.
-        samples: Samples whose gradients joined a window.
-        items: What their losses averaged over: equal to `samples`, or the
-            unmasked elements (tokens) where masks or `ignore_class` reach the
-            loss; windows are weighted in this unit (`reduction="auto"`).
+    Attributes:
+        counters: The last `fit`'s counters in one `tfaccum.counts.Counters`
+            snapshot (`micro_steps`, `optimizer_steps`, `flushes`,
+            `dropped_micro_steps`, `nonfinite_skips`, `samples`, `items`),
+            each also a property of its own.
 
     Example:
 
@@ -187,36 +188,10 @@ class GradientAccumulationCallback(_keras.Callback):
         """The `AccumulationHook` of the last `fit`: its counters and compiled step."""
         return self._scope.hook
 
-    def _count(self, name):
-        return 0 if self.hook is None else getattr(self.hook, name)
-
     @property
-    def micro_steps(self):
-        return self._count("micro_steps")
-
-    @property
-    def optimizer_steps(self):
-        return self._count("optimizer_steps")
-
-    @property
-    def flushes(self):
-        return self._count("flushes")
-
-    @property
-    def dropped_micro_steps(self):
-        return self._count("dropped_micro_steps")
-
-    @property
-    def nonfinite_skips(self):
-        return self._count("nonfinite_skips")
-
-    @property
-    def samples(self):
-        return self._count("samples")
-
-    @property
-    def items(self):
-        return self._count("items")
+    def counters(self):
+        """The last `fit`'s counters, as one `Counters` snapshot (zeros before any)."""
+        return Counters() if self.hook is None else self.hook.counters
 
     @property
     def noise_scale(self):
@@ -244,13 +219,14 @@ class GradientAccumulationCallback(_keras.Callback):
         self._first_among_callbacks()
         if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
             checks.probe_log_dir(self.log_dir)
-        hook = self._scope.reusable(model, self._configuration(model))
+        configuration = self._configuration(model)
+        hook = self._scope.reusable(model, configuration)
         if hook is not None:  # same model, same compile: no re-tracing
             if hook is not self.hook:
                 self._adopt_observers(hook)
             self._scope.begin(hook, reinstall=True)
         else:
-            self._scope.begin(self._new_hook(model), reinstall=False)
+            self._scope.begin(self._new_hook(model, configuration), reinstall=False)
         self._epoch_open = False
         self._last_batch = -1
         if self.summaries is not None:
@@ -288,17 +264,19 @@ class GradientAccumulationCallback(_keras.Callback):
             callbacks.callbacks.insert(0, self)
 
     def _configuration(self, model):
-        """What a hook made by this callback for `model` holds (`hook.configuration`)."""
+        """The `Configuration` of the hook this callback makes for `model`: it builds
+        the hook, and a traced hook of an equal one is reused."""
         observers = []
         if self._wants_noise_scale(model):
-            observers.append("NoiseScaleEstimator")
+            observers.append(NoiseScaleEstimator)
         if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
-            observers.append("AccumulationSummaries")
+            observers.append(AccumulationSummaries)
         if accumulating_layers(model):
-            observers.append("BatchNormWindows")
-        return dict(reduction=reductions.get(self.reduction), skip_nonfinite=self.skip_nonfinite,
-                    sparse_gradients=self.sparse_gradients,
-                    accumulator_dtype=self.accumulator_dtype, observers=tuple(observers))
+            observers.append(BatchNormWindows)
+        return Configuration.resolve(
+            reduction=self.reduction, skip_nonfinite=self.skip_nonfinite,
+            sparse_gradients=self.sparse_gradients, accumulator_dtype=self.accumulator_dtype,
+            observers=observers)
 
     def _wants_noise_scale(self, model):
         if self.noise_scale_option is not None:
@@ -319,12 +297,13 @@ class GradientAccumulationCallback(_keras.Callback):
                 self.estimator = observer
                 observer.restart()
 
-    def _new_hook(self, model):
+    def _new_hook(self, model, configuration):
         strategy = model.distribute_strategy
-        self.estimator = NoiseScaleEstimator() if self._wants_noise_scale(model) else None
+        wanted = configuration.observers
+        self.estimator = NoiseScaleEstimator() if NoiseScaleEstimator in wanted else None
         self.summaries = None
         # Across workers the chief writes: every worker's rows are the same.
-        if self.log_dir is not None and _keras.writes_summaries(strategy):
+        if AccumulationSummaries in wanted:
             self.summaries = AccumulationSummaries(
                 self.log_dir,
                 scalars=self.scalars,
@@ -333,15 +312,8 @@ class GradientAccumulationCallback(_keras.Callback):
             )
         observers = [o for o in (self.estimator, self.summaries) if o is not None]
         observers += window_observers(model, strategy)
-        return AccumulationHook(
-            model,
-            accumulation_steps=1,  # set from the schedule at each epoch start
-            reduction=self.reduction,
-            skip_nonfinite=self.skip_nonfinite,
-            sparse_gradients=self.sparse_gradients,
-            accumulator_dtype=self.accumulator_dtype,
-            observers=observers,
-        )
+        # Windows of 1 until each epoch's start sets the schedule's.
+        return AccumulationHook.made_with(model, configuration, observers, accumulation_steps=1)
 
     def on_epoch_begin(self, epoch, logs=None):
         try:

@@ -11,6 +11,9 @@ import os
 import tensorflow as tf
 
 from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
+from tfaccum import _keras
+from tfaccum.reduction import Auto
+from tfaccum.reduction import Reduction
 
 REDUCTIONS = ("auto", "samples", "mean", "sum")
 SPARSE_GRADIENTS = ("rows", "dense")
@@ -78,8 +81,6 @@ def check_compiled(model, api, existing):
 
 def check_reduction(reduction):
     """A reduction's name, or a `tfaccum.Reduction` instance."""
-    from tfaccum.reduction import Reduction
-
     if isinstance(reduction, Reduction):
         return reduction
     if isinstance(reduction, type) and issubclass(reduction, Reduction):
@@ -259,14 +260,14 @@ def check_write_interval(write_interval):
     return float(write_interval)
 
 
-def check_window_loss_meets(model, loss, *, reduction, skip_nonfinite, accumulator_dtype,
-                            observers):
+def check_window_loss_meets(model, loss, configuration):
     """Refuses, by name, what a window-wide loss (gradient caching) cannot meet yet.
+
+    `configuration`: the hook's `Configuration` (its reduction, accumulators,
+    observers).
 
     Everything accepted is exact: the window's update is the large batch's.
     """
-    from tfaccum import _keras
-
     def refuse(what, why, fix):
         raise ValueError(
             f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
@@ -316,18 +317,17 @@ def check_window_loss_meets(model, loss, *, reduction, skip_nonfinite, accumulat
     if _keras.is_tf_keras_model(model) and _keras.scales_loss_dynamically(model.optimizer):
         refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
                "Use Keras 3, or float32.")
-    if reduction != "auto":
-        refuse(f"reduction={reduction!r}", "the loss itself averages over the window, "
-               "as over the large batch", "Leave reduction=\"auto\".")
-    if skip_nonfinite:
+    if configuration.reduction != Auto():
+        refuse(f"reduction={configuration.reduction!r}", "the loss itself averages over the "
+               "window, as over the large batch", "Leave reduction=\"auto\".")
+    if configuration.skip_nonfinite:
         refuse("skip_nonfinite=True", "a non-finite window cannot be told apart by "
                "micro-batch; under a LossScaleOptimizer the optimizer itself skips a "
                "non-finite update, as for the large batch", "Leave skip_nonfinite=None.")
-    if accumulator_dtype != "float32":
-        refuse(f"accumulator_dtype={accumulator_dtype!r}", "not measured yet",
+    if configuration.accumulator_dtype != "float32":
+        refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}", "not measured yet",
                "Use accumulator_dtype=\"float32\".")
-    names = [type(observer).__name__ for observer in observers]
-    if "NoiseScaleEstimator" in names:
+    if any(observer.reads_micro_batch_gradients for observer in configuration.observers):
         refuse("noise_scale=True", "the noise scale compares micro-batch gradients with "
                "the window's, and a window-wide loss has no gradient of its own per "
                "micro-batch", "Pass noise_scale=None (off for window-wide losses).")

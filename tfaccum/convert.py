@@ -16,6 +16,7 @@ from tfaccum import _keras
 from tfaccum.layers import AccumBatchNormalization
 from tfaccum.moments import WindowedMoments
 from tfaccum.moments import accumulating_layers
+from tfaccum.moments import saved_as
 
 
 def convert_batch_norm(model, in_place=False, verbose=1):
@@ -109,18 +110,6 @@ class ConvertedBatchNormalization(AccumBatchNormalization):
     arguments when loaded (keras_hub backbones). A loaded model has plain
     `BatchNormalization` again: convert it again to keep accumulating.
     """
-
-
-def saved_as(cls, original):
-    """Makes Keras save `cls` as `original`: same name and module.
-
-    Keras writes a layer's class name and module into the model's config and
-    its class name into the weights file's paths.
-    """
-    cls.__name__ = original.__name__
-    cls.__qualname__ = original.__qualname__
-    cls.__module__ = original.__module__
-    return cls
 
 
 saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)

@@ -16,8 +16,9 @@ The train step of a model compiled with a `WindowLoss` (Gao et al. 2021,
 
 The update is the large batch's; activations are held for one micro-batch
 at a time, with the window's inputs and outputs. Cost: one more forward pass
-per sample. With several replicas of one machine (`ReplicatedGradientCache`)
-the window's outputs are gathered across them once per window.
+per sample. With several replicas of one machine the window's outputs are
+gathered across them once per window. `CachingStep` is the micro-step,
+`CachedGradients` the source the window's end asks for its gradients.
 """
 
 import re
@@ -25,9 +26,6 @@ import re
 import tensorflow as tf
 
 from tfaccum import _keras
-from tfaccum.observers import Update
-from tfaccum.replication import OneDevice
-from tfaccum.replication import Replicas
 from tfaccum.replication import variable_options
 from tfaccum.step import StepError
 from tfaccum.step import count_samples
@@ -155,14 +153,20 @@ class WindowBuffers:
         return parts
 
     def read(self):
-        """`(parts, seeds, sizes)`: the window's parts as the step gave them, but its inputs.
+        """`(parts, rows)`: the window's parts as the step gave them, but its inputs,
+        and its rows (one device's: `read_replicas`' layout).
 
         The inputs are read a micro-batch at a time (`inputs`).
         """
         held = self.held.read_value()
         parts = self._parts([None if is_input else b.read(held[0])
                              for b, is_input in zip(self._buffers, self._is_input)])
-        return parts, [b.read(held[1]) for b in self._seeds], self._sizes.read(held[1])
+        return parts, held[:1]
+
+    def micro_batches(self):
+        """`(seeds, sizes)`: each kept micro-batch's seed states and samples (this replica's)."""
+        held = self.held.read_value()
+        return [b.read(held[1]) for b in self._seeds], self._sizes.read(held[1])
 
     def read_replicas(self):
         """Cross-replica: the parts of `read()` over every replica's rows, replica after
@@ -250,78 +254,73 @@ def _layer_of(op_name, model):
     return scopes[-1] if scopes else model.name
 
 
-class GradientCache(OneDevice):
-    """The train step and window end of a model compiled with a `WindowLoss`.
+class CachingStep:
+    """The train step of a model compiled with a `WindowLoss`: keep the forward pass.
 
     Takes the place of the hook's step tracer (the model's `train_step` is
-    Keras' own, run here in two halves) and of its replication: one device.
+    Keras' own, run here in two halves): each micro-step runs the forward pass
+    and keeps it in the window's `WindowBuffers`; a full window ends through
+    the replication, whose source is a `CachedGradients`.
 
     Args:
         model: The compiled model (its loss a `WindowLoss`).
         state: The hook's `WindowState` (accumulators and counts).
-        applier: Applies gradients through the optimizer's own method.
-        observers: The hook's `WindowObserver`s (told of each update).
+        replication: The hook's `OneDevice` or `Replicas`.
+        cache: The `CachedGradients` the window's end asks.
     """
 
-    def __init__(self, model, state, applier, observers):
-        super().__init__(model, state, applier, observers, skip_nonfinite=False)
-        self.buffers = None
-        self._seed_states = None
-
-    @property
-    def traced(self):
-        return self.buffers is not None
-
-    # -- a micro-step -------------------------------------------------------------
+    def __init__(self, model, state, replication, cache):
+        self.model = model
+        self.state = state
+        self.replication = replication
+        self.cache = cache
 
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         """Runs the micro-batch's forward pass and keeps it; ends a full window."""
-        model = self.model
+        model, cache = self.model, self.cache
         x, y, sample_weight = _keras.unpack_x_y_sample_weight(data)
-        if self._seed_states is None:
-            self._layer_seeds = len(_keras.seed_states(model))
-            self._seed_states = _keras.seed_states(model)
-            if not _keras.is_tf_keras_model(model):
-                self._seed_states.append(_keras.global_seed_state())
-        seeds = [tf.convert_to_tensor(state) for state in self._seed_states]  # before it draws
+        cache.find_seed_states()
+        seeds = [tf.convert_to_tensor(state) for state in cache.seed_states]  # before it draws
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         first = 0 if graph is None else len(graph.get_operations())
-        y_pred = self._forward(x)
+        y_pred = cache.forward(x)
         forward = None if graph is None else graph.get_operations()[first:]
         self._check_traced(x, y_pred, forward)
         samples = count_samples(data)
         parts = dict(x=x, y=y, sample_weight=sample_weight, y_pred=y_pred, seeds=seeds)
-        if self.buffers is None:
-            self._create(lambda *_: self._make_buffers(parts))
-        self.buffers.check(parts, model.name)
-        self.buffers.append(parts, samples)
+        if cache.buffers is None:
+            self.replication.create(lambda *_: cache.make_buffers(parts))
+        cache.buffers.check(parts, model.name)
+        cache.buffers.append(parts, samples)
         counts = self.state.counts
-        totals = dict(samples=samples, items=samples) if self.totals_per_micro_batch else {}
+        totals = (dict(samples=samples, items=samples)
+                  if self.replication.totals_per_micro_batch else {})
         counts.add(counts.delta(micro_steps=1, window_micro_batches=1, window_samples=samples,
                                 window_items=samples, **totals))
-        self.after_micro_step()  # ends a full window
+        self.replication.after_micro_step()  # ends a full window
         return _keras.metrics_result(model)
 
     def _check_traced(self, x, y_pred, forward):
         """Raises `StepError` for what the step shows it cannot replay or keep.
 
-        `forward`: the operations the forward pass made while it traced.
+        `forward`: the operations the forward pass made while it traced
+        (`None` when run eagerly).
         """
-        model = self.model
+        model, cache = self.model, self.cache
         if model.losses:
             raise StepError(
                 f"Model {model.name!r} adds losses of its own (`model.losses`: "
                 "weight or activity regularizers, `add_loss`), which a window-wide "
                 "loss does not take yet: the window's loss would miss them. Remove "
                 "the regularizers, or compile with an ordinary loss.")
-        if len(_keras.seed_states(model)) != self._layer_seeds:
+        if len(_keras.seed_states(model)) != cache.layer_seeds:
             raise StepError(
                 f"Model {model.name!r} made seed generators in its first step (it was "
                 "built by it): their dropout masks could not be drawn again. Build the "
                 "model before `fit` (call it once on a batch, or give it an `Input`).")
         if forward is None:  # run eagerly: the first step's forward pass, traced apart
-            forward = self._traced_forward(x) if self.buffers is None else []
+            forward = self._traced_forward(x) if cache.buffers is None else []
         drawn = unreplayable_random_ops(forward)
         if drawn:
             op_type, op_name = drawn[0]
@@ -336,8 +335,7 @@ class GradientCache(OneDevice):
                 "(`keras.layers.GaussianNoise(stddev, seed=...)`, `Dropout(rate, "
                 "seed=...)`) or `keras.random.normal(shape, seed=self.seed_generator)` "
                 "with a `keras.random.SeedGenerator` made in the layer's `__init__`.")
-        masked = [getattr(output, "_keras_mask", None) is not None
-                  for output in tf.nest.flatten(y_pred)]
+        masked = [_keras.keras_mask(output) is not None for output in tf.nest.flatten(y_pred)]
         if any(masked):
             raise StepError(
                 f"Model {model.name!r} has an output with a Keras mask, which a window-wide "
@@ -354,31 +352,90 @@ class GradientCache(OneDevice):
     def _traced_forward(self, x):
         """The operations of the forward pass, traced apart (a step run eagerly)."""
         specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, x)
-        function = tf.function(self._forward, autograph=False)
+        function = tf.function(self.cache.forward, autograph=False)
         return function.get_concrete_function(specs).graph.get_operations()
 
-    def _create(self, make):
-        make()
 
-    def _make_buffers(self, parts):
+class CachedGradients:
+    """A window's gradients from its window-wide loss: the source its end asks.
+
+    Once per window (`prepare`; with several replicas of one machine, in the
+    cross-replica context) every replica's kept outputs are read, the loss is
+    computed over the global window (replica after replica, as CLIP gathers
+    its negatives: a window-wide loss must not depend on the order of its
+    samples) and its gradient with respect to the outputs is taken. Then
+    each replica replays its own micro-batches with its rows of that
+    gradient (`gradients`); the replicas' sums are all-reduced once and
+    applied.
+
+    Args:
+        model: The compiled model (its loss a `WindowLoss`).
+        state: The hook's `WindowState`.
+    """
+
+    divides = False  # the window's loss is already the large batch's mean
+    may_skip = True  # a LossScaleOptimizer skips a non-finite window
+
+    def __init__(self, model, state):
+        self.model = model
+        self.state = state
+        self.strategy = model.distribute_strategy
+        self.buffers = None
+        self.seed_states = None
+        self.layer_seeds = None
+
+    @property
+    def traced(self):
+        return self.buffers is not None
+
+    def find_seed_states(self):
+        """The seed states the forward pass draws from (found at the first step)."""
+        if self.seed_states is not None:
+            return
+        model = self.model
+        self.layer_seeds = len(_keras.seed_states(model))
+        self.seed_states = _keras.seed_states(model)
+        if not _keras.is_tf_keras_model(model):
+            self.seed_states.append(_keras.global_seed_state())
+
+    def make_buffers(self, parts):
         if self.buffers is None:  # (another replica's thread may have made them)
             self.buffers = WindowBuffers(parts, self.strategy)
 
-    def _forward(self, x):
+    def forward(self, x):
         if getattr(self.model, "_call_has_training_arg", True):
             return self.model(x, training=True)
         return self.model(x)
 
-    # -- the window's end ----------------------------------------------------------
-
-    def end_window(self, window=None, **extra_counts):
-        """Applies the window (never empty here: `flush()` reads it first), then resets."""
-        return self.apply_window(self.state.local(), **extra_counts)
-
-    def apply_window(self, window, **extra_counts):
-        parts, seeds, sizes = self.buffers.read()
+    def prepare(self, window):
+        """The window's loss, its gradient w.r.t. every replica's outputs, and where
+        each replica's rows start."""
+        if self.strategy.num_replicas_in_sync > 1:
+            parts, rows = self.buffers.read_replicas()
+        else:
+            parts, rows = self.buffers.read()
         loss, output_grads = self._window_gradient(parts)
-        return self._apply_local(loss, output_grads, seeds, sizes, window, **extra_counts)
+        return loss, output_grads, tf.cumsum(rows, exclusive=True)
+
+    def gradients(self, prepared, window, denominator):
+        """Replays this replica's micro-batches; the accumulators' sum (not divided)."""
+        loss, output_grads, starts = prepared
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        seeds, sizes = self.buffers.micro_batches()
+        start = starts[replica]
+        stop = start + tf.reduce_sum(sizes)
+        mine = tf.nest.map_structure(lambda g: None if g is None else g[start:stop],
+                                     output_grads)
+        self._replay(mine, seeds, sizes, list(self.model.trainable_variables))
+        _keras.track_loss(self.model, loss, self.state.local()["window_samples"])
+        return self.state.accumulators.gradients()
+
+    def loss(self, prepared, window):
+        return tf.cast(prepared[0], tf.float64)
+
+    def reset(self):
+        if self.buffers is not None:
+            self.buffers.clear()
 
     def _window_gradient(self, parts):
         """The window's loss (as the large batch's step reports it) and its
@@ -391,37 +448,13 @@ class GradientCache(OneDevice):
             # batch): this one is the whole window's.
             loss = _keras.compiled_loss(model, parts["y"], outputs, parts["sample_weight"])
             loss = loss / tf.cast(self.state.loss_share, loss.dtype)
-            scaled = _keras.scaled_loss(self._optimizer, loss)
+            scaled = _keras.scaled_loss(model.optimizer, loss)
         return loss, tape.gradient(scaled, outputs)
-
-    def _apply_local(self, loss, output_grads, seeds, sizes, window, **extra_counts):
-        """Replays this replica's micro-batches, applies the window, resets."""
-        model, optimizer = self.model, self._optimizer
-        counts = self._totals_before(window)
-        local = self.state.local()
-        variables = list(model.trainable_variables)
-        self._replay(output_grads, seeds, sizes, variables)
-        grads = self._reduce(self.state.accumulators.gradients())
-        gradient_scale = self._api.loss_scale(optimizer)  # before the update
-        iterations = _keras.iterations(optimizer)
-        before = tf.convert_to_tensor(iterations)
-        self.applier(grads, self.state.variables, self.replicas > 1)
-        # A LossScaleOptimizer skips a non-finite window, as the large batch's step.
-        applied = tf.cast(tf.convert_to_tensor(iterations) > before, tf.int64)
-        _keras.track_loss(model, loss, local["window_samples"])
-        update = Update(
-            grads=grads, variables=self.state.variables, gradient_scale=gradient_scale,
-            window=window, counts=counts, iterations=_keras.iterations(optimizer),
-            loss=tf.cast(loss, tf.float64), name_prefix=model.name + "/")
-        for observer in self.observers_here():
-            observer.on_apply(update)
-        self._reset(local, window, optimizer_steps=applied, **extra_counts)
-        return tf.constant(True)
 
     def _replay(self, output_grads, seeds, sizes, variables):
         """Runs each micro-batch's forward pass again, back-propagating its cached slice."""
         window = self.state.accumulators
-        states = self._seed_states
+        states = self.seed_states
         now = [tf.convert_to_tensor(state) for state in states]
         starts = tf.cumsum(sizes, exclusive=True)
 
@@ -433,7 +466,7 @@ class GradientCache(OneDevice):
             cached = tf.nest.flatten(tf.nest.map_structure(
                 lambda g: None if g is None else g[rows], output_grads))
             with tf.GradientTape() as tape:
-                outputs = tf.nest.flatten(self._forward(x))
+                outputs = tf.nest.flatten(self.forward(x))
                 surrogate = tf.add_n([
                     tf.reduce_sum(tf.cast(output * tf.cast(grad, output.dtype), tf.float32))
                     for output, grad in zip(outputs, cached) if grad is not None])
@@ -446,47 +479,3 @@ class GradientCache(OneDevice):
         tf.while_loop(lambda i: i < n, body, (tf.constant(0),))
         for state, value in zip(states, now):  # the draws go on from where they were
             state.assign(value)
-
-    def _reset(self, local, window, **extra_counts):
-        super()._reset(local, window, **extra_counts)
-        self.buffers.clear()
-
-    def zero(self):
-        if self.buffers is not None:
-            with self.strategy.scope():
-                self.buffers.clear()
-
-
-class ReplicatedGradientCache(GradientCache, Replicas):
-    """Several replicas of one machine: negatives gathered across them, as CLIP does.
-
-    Each replica runs the forward passes of its share of every micro-batch
-    and keeps it. When the window ends (in the cross-replica context, see
-    `Replicas`), every replica's outputs are gathered, once per window, the
-    loss is computed over the global window (replica after replica: a
-    window-wide loss must not depend on the order of its samples), and each
-    replica replays its own micro-batches with its rows of that loss's
-    gradient; the replicas' sums are all-reduced once and applied.
-    """
-
-    def _create(self, make):
-        tf.distribute.get_replica_context().merge_call(make)
-
-    def end_window(self, window=None, **extra_counts):
-        parts, rows = self.buffers.read_replicas()
-        loss, output_grads = self._window_gradient(parts)
-        starts = tf.cumsum(rows, exclusive=True)
-        with self._api.own_reduction_off(self._optimizer):
-            _keras.for_each_replica(self.strategy, self._apply_on_replica,
-                                    args=(loss, output_grads, starts),
-                                    kwargs=dict(window=window, **extra_counts))
-        return tf.constant(True)
-
-    def _apply_on_replica(self, loss, output_grads, starts, window, **extra_counts):
-        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-        parts, seeds, sizes = self.buffers.read()
-        start = starts[replica]
-        stop = start + tf.reduce_sum(sizes)
-        mine = tf.nest.map_structure(lambda g: None if g is None else g[start:stop],
-                                     output_grads)
-        return self._apply_local(loss, mine, seeds, sizes, window, **extra_counts)

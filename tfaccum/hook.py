@@ -16,15 +16,19 @@ import tensorflow as tf
 
 from tfaccum import _keras
 from tfaccum import checks
-from tfaccum import reduction as reductions
+from tfaccum import gradients
 from tfaccum import replication
+from tfaccum.gradient_cache import CachedGradients
+from tfaccum.gradient_cache import CachingStep
+from tfaccum.configuration import Configuration
+from tfaccum.counts import Counters
+from tfaccum.counts import with_counter_properties
 from tfaccum.moments import window_observers
 from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
 from tfaccum.rollback import StepRollback
-from tfaccum.gradient_cache import GradientCache
-from tfaccum.gradient_cache import ReplicatedGradientCache
+from tfaccum.sources import AccumulatedGradients
 from tfaccum.step import StepError
 from tfaccum.step import StepTracer
 from tfaccum.window import WindowState
@@ -35,6 +39,7 @@ EAGER_HOST_ENDS = 2
 
 
 
+@with_counter_properties
 class AccumulationHook:
     """Makes a compiled model update its weights once per window of micro-batches.
 
@@ -65,36 +70,8 @@ class AccumulationHook:
         model: A compiled Keras model.
         accumulation_steps: Integer >= 1, micro-batches per optimizer update.
             Change it between steps with `set_accumulation_steps()`.
-        reduction: How the window's gradients are combined. `"auto"` weights
-            each micro-batch by what its loss is an average over, and divides
-            by the window's total, so a window is exactly one large batch:
-            its samples, or, where a Keras mask or `ignore_class` reaches the
-            loss, its unmasked elements (tokens); see `count_items()` for
-            custom steps and losses. `"samples"` always weights by samples,
-            `"mean"` gives each micro-batch equal weight (Keras' own
-            accumulation), `"sum"` adds them without dividing. A
-            `tfaccum.Reduction` instance is a weighting of your own.
-            Defaults to `"auto"`.
-        skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
-            infinity out of its window (counted in `nonfinite_skips`) instead
-            of letting it spoil the window. Under mixed precision
-            (`LossScaleOptimizer`) the loss scale is also halved, as Keras
-            does. `None` (the default) turns it on exactly under
-            `LossScaleOptimizer`, where overflow is expected; in float32 a
-            non-finite gradient usually means divergence, which should show.
-        sparse_gradients: `"rows"` (the default) keeps a sparse gradient's
-            rows, so the optimizer receives the window's rows as the large
-            batch's `IndexedSlices` (memory: the window's looked-up rows).
-            `"dense"` scatter-adds them into a dense accumulator (memory: the
-            whole variable) and the optimizer receives a dense gradient.
-            Under `jit_compile=True` rows cannot be kept (XLA needs fixed
-            shapes) and `"dense"` is used, with a warning.
-        accumulator_dtype: `"float32"` (the default; float64 variables keep
-            float64) or `"bfloat16"`: dense accumulators of half the size
-            (a lower peak only under a pooling allocator: README, "Memory"),
-            each micro-step summed in float32 and rounded stochastically
-            (see `tfaccum.precision`). Rows (`sparse_gradients="rows"`) stay
-            float32. Refused with several replicas.
+        reduction, skip_nonfinite, sparse_gradients, accumulator_dtype: As
+            `GradientAccumulationCallback`'s, where each is documented.
         observers: `WindowObserver`s told of every micro-step, update and
             reset (e.g. `AccumulationSummaries`, `NoiseScaleEstimator`, and
             `moments.window_observers(model, strategy)` for the model's
@@ -123,51 +100,69 @@ class AccumulationHook:
                  sparse_gradients="rows", accumulator_dtype="float32", observers=()):
         api = _keras.api_for_model_argument(model, "model")
         checks.check_compiled(model, api, installed_on(model))
+        configuration = Configuration.resolve(
+            reduction=reduction, skip_nonfinite=skip_nonfinite,
+            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
+            observers=[type(observer) for observer in observers])
+        self._make(model, api, configuration, observers, accumulation_steps)
+
+    @classmethod
+    def made_with(cls, model, configuration, observers, *, accumulation_steps):
+        """A hook of a resolved `Configuration`, with its `observers` made (the callback's)."""
+        api = _keras.api_for_model_argument(model, "model")
+        checks.check_compiled(model, api, installed_on(model))
+        hook = cls.__new__(cls)
+        hook._make(model, api, configuration, observers, accumulation_steps)
+        return hook
+
+    def _make(self, model, api, configuration, observers, accumulation_steps):
         optimizer = model.optimizer
         self.model = model
-        self.reduction = reductions.get(checks.check_reduction(reduction))
-        self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
-        self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
-        checks.check_accumulator_dtype_meets(accumulator_dtype, model.distribute_strategy)
-        self.skip_nonfinite = checks.check_skip_nonfinite(skip_nonfinite)
-        if skip_nonfinite is None:
-            self.skip_nonfinite = _keras.scales_loss_dynamically(optimizer)
-        self.reduction.check(model)
         self.observers = list(observers)
-        self.configuration = dict(
-            reduction=self.reduction, skip_nonfinite=skip_nonfinite,
-            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
-            observers=tuple(type(o).__name__ for o in self.observers))
+        self.configuration = configuration
         strategy = model.distribute_strategy
+        checks.check_accumulator_dtype_meets(configuration.accumulator_dtype, strategy)
+        self.reduction = configuration.reduction
+        self.skip_nonfinite = configuration.skips_nonfinite(
+            _keras.scales_loss_dynamically(optimizer))
+        self.reduction.check(model)
         loss_share = _keras.replica_loss_share(model)
-        self.state = WindowState(
-            strategy, self.reduction, loss_share=loss_share,
-            sparse_rows=sparse_gradients == "rows" and not model.jit_compile,
-            dtype=None if accumulator_dtype == "float32" else tf.bfloat16)
+        # Rows cannot be kept under XLA (fixed shapes): dense, with a warning.
+        self._sparse_rows = configuration.sparse_rows and not model.jit_compile
+        self.state = WindowState(strategy, self.reduction, loss_share=loss_share,
+                                 sparse_rows=self._sparse_rows,
+                                 dtype=configuration.dense_dtype)
         self.counts = self.state.counts
         self.window = self.state.accumulators
-        self._tracer = StepTracer(
-            model, counts_items=self.reduction.counts_items, weigh=self.state.weight,
-            # Weighting the loss by the micro-batch's weight weights every
-            # gradient at once (cheaper than scaling each accumulated one),
-            # except under dynamic loss scaling, whose scale must stay a power of 2.
-            weight_in_loss=api.scales_loss_in_step
-            and not _keras.scales_loss_dynamically(optimizer),
-            loss_share=loss_share, on_micro_batch=self._micro_step)
-        # A window-wide loss: gradient caching takes the step and the window's end.
+        # The step is chosen once: a window-wide loss keeps each micro-batch's
+        # forward pass (gradient caching) and its window's end replays them;
+        # any other model's step hands its gradients to the accumulators.
         self.window_loss = window_loss_of(model)
         if self.window_loss is not None:
             checks.check_window_loss_meets(
-                model, self.window_loss, reduction=reduction, skip_nonfinite=skip_nonfinite,
-                accumulator_dtype=accumulator_dtype, observers=self.observers)
-            cache = (ReplicatedGradientCache if strategy.num_replicas_in_sync > 1
-                     else GradientCache)
-            self._replication = cache(
-                model, self.state, self._tracer.apply_gradients, self.observers)
+                model, self.window_loss, configuration)
+            cache = CachedGradients(model, self.state)
+
+            def apply_gradients(grads, variables, reduced=False):  # no patch is active
+                api.apply(getattr(optimizer, api.apply_method), grads, variables, reduced)
+
+            self._replication = replication.for_model(
+                model, self.state, apply_gradients, self.observers, skip_nonfinite=False,
+                source=cache)
+            self._step = CachingStep(model, self.state, self._replication, cache).train_step
         else:
+            self._tracer = StepTracer(
+                model, counts_items=self.reduction.counts_items, weigh=self.state.weight,
+                # Weighting the loss by the micro-batch's weight weights every
+                # gradient at once (cheaper than scaling each accumulated one),
+                # except under dynamic loss scaling, whose scale must stay a power of 2.
+                weight_in_loss=api.scales_loss_in_step
+                and not _keras.scales_loss_dynamically(optimizer),
+                loss_share=loss_share, on_micro_batch=self._micro_step)
             self._replication = replication.for_model(
                 model, self.state, self._tracer.apply_gradients, self.observers,
-                skip_nonfinite=self.skip_nonfinite)
+                skip_nonfinite=self.skip_nonfinite, source=AccumulatedGradients(self.state))
+            self._step = self._accumulating_step
         self.installation = ModelInstallation(model, self._train_step, self)
         self._rollback = StepRollback(model)
         self._functions = {}
@@ -305,43 +300,9 @@ class AccumulationHook:
     # -- counters -----------------------------------------------------------
 
     @property
-    def micro_steps(self):
-        """Micro-batches trained on since the hook was installed."""
-        return self.counts.numpy()["micro_steps"]
-
-    @property
-    def optimizer_steps(self):
-        """Optimizer updates made since the hook was installed."""
-        return self.counts.numpy()["optimizer_steps"]
-
-    @property
-    def flushes(self):
-        """Partial windows applied by `flush()`."""
-        return self.counts.numpy()["flushes"]
-
-    @property
-    def dropped_micro_steps(self):
-        """Micro-batches discarded by `drop()`."""
-        return self.counts.numpy()["dropped_micro_steps"]
-
-    @property
-    def nonfinite_skips(self):
-        """Micro-batches left out of their window for non-finite gradients."""
-        return self.counts.numpy()["nonfinite_skips"]
-
-    @property
-    def samples(self):
-        """Samples whose gradients joined a window (left-out micro-batches excluded)."""
-        return self.counts.numpy()["samples"]
-
-    @property
-    def items(self):
-        """What those samples' losses averaged over: samples, or unmasked tokens.
-
-        The unit windows are weighted by (under `reduction="auto"`); equal to
-        `samples` for losses averaged per sample.
-        """
-        return self.counts.numpy()["items"]
+    def counters(self):
+        """The counters now, as one `Counters` snapshot (a single device read)."""
+        return Counters.read(self.counts)
 
     @property
     def pending(self):
@@ -366,20 +327,15 @@ class AccumulationHook:
 
     def _train_step(self, data):
         with self._rollback.guard():  # a refusal leaves the model as it was
-            return self._accumulating_step(data)
+            try:
+                return self._step(data)
+            except StepError:
+                self.uninstall()  # `fit` stops here; leave a plain model behind.
+                raise
 
     def _accumulating_step(self, data):
-        if self.window_loss is not None:
-            try:
-                return self._replication.train_step(data)
-            except StepError:
-                self.uninstall()
-                raise
-        try:
-            logs, nothing = self._tracer.train_step(self.installation.original_train_step(), data)
-        except StepError:
-            self.uninstall()  # `fit` stops here; leave a plain model behind.
-            raise
+        """The model's own step, its gradients handed to `_micro_step`."""
+        logs, nothing = self._tracer.train_step(self.installation.original_train_step(), data)
         if nothing:  # nothing to train: Keras warns and skips the update; so do we
             self.counts.add(self.counts.delta(micro_steps=1))
         return logs
@@ -390,7 +346,7 @@ class AccumulationHook:
         self.reduction.check(self.model)
         replicas.check(micro)
         state.track(micro, replicas.create)
-        if self.sparse_gradients == "rows":
+        if self.configuration.sparse_rows:
             state.warn_if_densified(micro, "jit_compile=True (XLA needs fixed shapes)"
                                     if self.model.jit_compile else "several replicas")
         observers = replicas.observers_here()
@@ -410,7 +366,7 @@ class AccumulationHook:
             return state.leave_out(totals)
 
         if self.skip_nonfinite:
-            delta = tf.cond(_all_finite(micro.grads), add, leave_out)
+            delta = tf.cond(gradients.all_finite(micro.grads), add, leave_out)
         else:
             delta = add()
         # This update depends on `samples`, so on the micro-batch's data: when
@@ -468,13 +424,6 @@ class AccumulationHook:
         # a window's end) neither traces nor runs the window-end graph.
         # Every worker reads the same total, so all skip it or none.
         return self._replication.traced and self._replication.pending(self._run).micro_batches > 0
-
-
-def _all_finite(grads):
-    return tf.reduce_all(tf.stack([
-        tf.reduce_all(tf.math.is_finite(grad.values if isinstance(grad, tf.IndexedSlices) else grad))
-        for grad in grads if grad is not None
-    ]))
 
 
 def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,

@@ -25,8 +25,8 @@ import tensorflow as tf
 import tf_keras
 
 from tfaccum import _keras
-from tfaccum.convert import saved_as
 from tfaccum.moments import WindowedMoments
+from tfaccum.moments import saved_as
 
 
 @tf_keras.saving.register_keras_serializable(package="tfaccum")

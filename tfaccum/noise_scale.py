@@ -43,6 +43,8 @@ class NoiseScaleEstimator(WindowObserver):
     nothing crosses devices for it (its variables are this machine's).
     """
 
+    reads_micro_batch_gradients = True
+
     def __init__(self):
         def variable(name, dtype=tf.float32, shape=()):
             return _keras.local_variable(tf.zeros(shape, dtype), name)

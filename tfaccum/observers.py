@@ -12,7 +12,7 @@ import dataclasses
 import functools
 
 import tensorflow as tf
-from tfaccum.norms import squared_norm
+from tfaccum.gradients import squared_norm
 
 Window = collections.namedtuple("Window", ["micro_batches", "samples"])
 Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
@@ -35,9 +35,13 @@ class WindowObserver:
     With several replicas an observer is fed by each machine's first replica
     (its micro-batches, and the window reduced over all replicas) unless it
     sets `per_replica = True`, which feeds every replica its own share.
+    An observer that compares each micro-batch's own gradient with the
+    window's sets `reads_micro_batch_gradients = True` (a window-wide loss
+    has none).
     """
 
     per_replica = False
+    reads_micro_batch_gradients = False
 
     def on_micro_step(self, step):
         pass

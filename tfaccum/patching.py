@@ -32,11 +32,6 @@ class InstancePatch:
         self.previous = _ABSENT
         self.applied = False
 
-    @property
-    def had_own(self):
-        """Whether the instance held its own `name` before the patch."""
-        return self.previous is not _ABSENT
-
     def apply(self):
         if self.applied:
             return

@@ -8,6 +8,8 @@ outputs that count differently) is the window's business, not the reduction's.
 
 import tensorflow as tf
 
+from tfaccum import _keras
+
 
 class Reduction:
     """Base class of a window's reduction. Subclass it for a weighting of your own.
@@ -154,8 +156,6 @@ class Sum(Reduction):
     name = "sum"
 
     def check(self, model):
-        from tfaccum import _keras
-
         regularized = _keras.regularized_weights(model)
         if regularized:
             raise ValueError(

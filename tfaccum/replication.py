@@ -25,10 +25,10 @@ def variable_options(strategy):
     return tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE
 
 
-def for_model(model, state, applier, observers, *, skip_nonfinite):
+def for_model(model, state, applier, observers, *, skip_nonfinite, source):
     """`OneDevice` or `Replicas`, for `model`'s strategy."""
     cls = Replicas if model.distribute_strategy.num_replicas_in_sync > 1 else OneDevice
-    return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite)
+    return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite, source=source)
 
 
 class OneDevice:
@@ -41,6 +41,7 @@ class OneDevice:
             the optimizer's own method.
         observers: The hook's `WindowObserver`s.
         skip_nonfinite: Whether non-finite micro-batches are left out.
+        source: Where the window's gradients come from (`tfaccum.sources`).
     """
 
     replicas = 1
@@ -50,8 +51,9 @@ class OneDevice:
     # Whether a flush or a drop may run eagerly (op by op, untraced).
     ends_eagerly = True
 
-    def __init__(self, model, state, applier, observers, *, skip_nonfinite):
+    def __init__(self, model, state, applier, observers, *, skip_nonfinite, source):
         self.model = model
+        self.source = source
         self.strategy = model.distribute_strategy
         self.state = state
         self.applier = applier
@@ -63,10 +65,12 @@ class OneDevice:
     @property
     def traced(self):
         """Whether a step has traced (before, no window can be pending)."""
-        return self.state.traced
+        return self.source.traced
 
     def zero(self):
         """Forgets any open window (the hook is installed again; counts zeroed)."""
+        with self.strategy.scope():
+            self.source.reset()
 
     # -- while a step traces ----------------------------------------------------------
 
@@ -90,50 +94,62 @@ class OneDevice:
 
     def after_micro_step(self):
         """Ends the window if it is full (inside the step)."""
-        applied = tf.cond(self.state.is_full(), self.end_window, lambda: tf.constant(False))
+        applied = tf.cond(self.state.is_full(), lambda: self.end_window(self.window()),
+                          lambda: tf.constant(False))
         _keras.keep_as_function_call(applied)
 
     # -- ending a window --------------------------------------------------------------
 
-    def end_window(self, window=None, **extra_counts):
-        """Applies the window if any micro-batch in it counts, then resets it."""
-        window = self.state.local()
+    def window(self):
+        """The open window's counts, as its end reads them (this device's)."""
+        return self.state.local()
+
+    def end_window(self, window, **extra_counts):
+        """Applies `window` if any micro-batch in it counts, then resets it."""
         if not self.skip_nonfinite:
             # Nothing is left out: a window that ends holds a micro-batch
             # (full, or flushed as pending), so no branch to trace for none.
-            return self.apply_window(window, **extra_counts)
+            return self._apply(window, **extra_counts)
         contributing = window["window_micro_batches"] - window["window_nonfinite"]
         return tf.cond(contributing > 0,
-                       lambda: self.apply_window(window, **extra_counts),
+                       lambda: self._apply(window, **extra_counts),
                        lambda: self._skip(window))
+
+    def _apply(self, window, **extra_counts):
+        return self.apply_window(window, self.source.prepare(window), **extra_counts)
 
     def _skip(self, window):
         self._api.count_skipped_update(self._optimizer)
         self._reset(window, window)
         return tf.constant(False)
 
-    def apply_window(self, window, **extra_counts):
-        """Applies the normalised window through the optimizer, then resets.
+    def apply_window(self, window, prepared, **extra_counts):
+        """Applies the source's gradients through the optimizer, tells the observers, resets.
 
-        With several replicas this runs on each, `window` holding the counts
-        of all of them; `local` is this replica's.
+        The one window end of every model. With several replicas this runs on
+        each, `window` holding the counts of all of them (`local`: this
+        replica's); `prepared` is what the source prepared once for the window.
         """
         local = self.state.local()
         counts = self._totals_before(window)
-        grads = self._reduce(self.state.gradients(self.denominator(window, local),
-                                                  window.get("channel_items")))
+        denominator = self.denominator(window, local) if self.source.divides else None
+        grads = self._reduce(self.source.gradients(prepared, window, denominator))
         variables = self.state.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before the update
+        iterations = _keras.iterations(self._optimizer)
+        before = tf.convert_to_tensor(iterations) if self.source.may_skip else None
         self.applier(grads, variables, self.replicas > 1)
+        applied = 1
+        if before is not None:  # a LossScaleOptimizer skips a non-finite window
+            applied = tf.cast(tf.convert_to_tensor(iterations) > before, tf.int64)
         update = Update(
             grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
             counts=counts, iterations=_keras.iterations(self._optimizer),
             mean_divisor=self.state.mean_divisor(window),
-            loss=self.state.loss(window) if self.state.loss_seen else None,
-            name_prefix=self.model.name + "/")
+            loss=self.source.loss(prepared, window), name_prefix=self.model.name + "/")
         for observer in self.observers_here():
             observer.on_apply(update)
-        self._reset(local, window, optimizer_steps=1, **extra_counts)
+        self._reset(local, window, optimizer_steps=applied, **extra_counts)
         return tf.constant(True)
 
     def denominator(self, window, local):
@@ -152,6 +168,7 @@ class OneDevice:
         self.state.reset(local, **extra_counts)
         for observer in self.observers_here():
             observer.on_reset()
+        self.source.reset()
 
     def _lower_loss_scale(self, rescale):
         """Lowers a dynamic loss scale after a non-finite micro-batch, as Keras does."""
@@ -167,12 +184,12 @@ class OneDevice:
 
     def flush_graph(self):
         """Ends the open window (run only when `pending` found micro-batches in it)."""
-        window = self.state.reduced()
+        window = self.window()
         self.end_window(window, flushes=1)
         return window["window_micro_batches"], window["window_samples"]
 
     def drop_graph(self):
-        window = self.state.reduced()
+        window = self.window()
         _keras.for_each_replica(self.strategy, self._drop_on_replica, args=(window,))
         return window["window_micro_batches"], window["window_samples"]
 
@@ -186,7 +203,7 @@ class OneDevice:
         return Window(counts["window_micro_batches"], counts["window_samples"])
 
     def pending_graph(self):
-        window = self.state.reduced()
+        window = self.window()
         return window["window_micro_batches"], window["window_samples"]
 
 
@@ -206,8 +223,9 @@ class Replicas(OneDevice):
     totals_per_micro_batch = False
     ends_eagerly = False  # merge_call and collectives: always in a function
 
-    def __init__(self, model, state, applier, observers, *, skip_nonfinite):
-        super().__init__(model, state, applier, observers, skip_nonfinite=skip_nonfinite)
+    def __init__(self, model, state, applier, observers, *, skip_nonfinite, source):
+        super().__init__(model, state, applier, observers, skip_nonfinite=skip_nonfinite,
+                         source=source)
         self.replicas = self.strategy.num_replicas_in_sync
         reduction = state.reduction
         if skip_nonfinite and reduction.per_micro_batch:
@@ -266,6 +284,10 @@ class Replicas(OneDevice):
     def leave_out(self):
         """The loss scale is lowered at the window's end, alike on every replica."""
 
+    def window(self):
+        """The open window's counts summed over replicas (cross-replica)."""
+        return self.state.reduced()
+
     def pending(self, run):
         """The open window summed over replicas: every worker must read it."""
         if not self.traced:
@@ -314,12 +336,12 @@ class Replicas(OneDevice):
         # window is applied.
         def decide(strategy):
             return tf.cond(self.state.is_full(),
-                           lambda: self.end_window(self.state.reduced()),
+                           lambda: self.end_window(self.window()),
                            lambda: tf.constant(False))
 
         tf.distribute.get_replica_context().merge_call(decide)
 
-    def end_window(self, window=None, **extra_counts):
+    def end_window(self, window, **extra_counts):
         """Ends the window on every replica, from its reduced counts (cross-replica).
 
         A replica that left its share of a micro-batch out (non-finite) kept
@@ -340,9 +362,10 @@ class Replicas(OneDevice):
         return applied
 
     def _apply_on_replicas(self, window, **extra_counts):
+        prepared = self.source.prepare(window)  # once per window, cross-replica
         with self._api.own_reduction_off(self._optimizer):
-            _keras.for_each_replica(self.strategy, self.apply_window,
-                                    kwargs=dict(window=window, **extra_counts))
+            _keras.for_each_replica(self.strategy, self.apply_window, args=(window, prepared),
+                                    kwargs=extra_counts)
         return tf.constant(True)
 
     def _skip_on_replicas(self, window):

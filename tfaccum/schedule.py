@@ -78,12 +78,6 @@ class AccumulationSchedule:
         return self._resolve(epoch)
 
     @property
-    def is_constant(self):
-        return not callable(self.accumulation_steps) and not isinstance(
-            self.accumulation_steps, dict
-        )
-
-    @property
     def always_one(self):
         """Whether every epoch has windows of one micro-batch."""
         if callable(self.accumulation_steps):

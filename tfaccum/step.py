@@ -14,6 +14,7 @@ import threading
 import tensorflow as tf
 
 from tfaccum import _keras
+from tfaccum import gradients
 from tfaccum.items import LossCounting
 from tfaccum.items import OnceWarner
 from tfaccum.patching import InstancePatch
@@ -134,7 +135,6 @@ class StepTracer:
         self._loss_counting = None  # made at the first trace (the loss is built by then)
         self._several_losses = None  # whether a tape must record the step (first trace)
         self._warn_items = OnceWarner()
-        self.loss_seen = False  # whether a traced step showed its loss
         self._apply_patch = InstancePatch(self._optimizer, self._api.apply_method, self._apply)
         self._loss_patch = InstancePatch(self._optimizer, self._api.loss_method, self._scale_loss)
         # The model's other optimizers (a GAN's) are watched: an update
@@ -294,7 +294,6 @@ class StepTracer:
 
     def _micro_batch(self, step, grads, variables):
         self._resolve(step)
-        self.loss_seen = self.loss_seen or step.loss is not None
         scale = self._api.loss_scale(self._optimizer)
         gradient_scale = scale
         if step.weighted:
@@ -309,7 +308,7 @@ class StepTracer:
         if uneven:
             outputs = self._split(step, uneven, grads, variables, scale)
             rest_grads = tuple(
-                _minus(grad, [output.grads[i] for output in outputs])
+                gradients.minus(grad, [output.grads[i] for output in outputs])
                 for i, grad in enumerate(grads))
             if rest_loss is not None:  # what the outputs' windows do not hold
                 rest_loss = rest_loss - tf.add_n([
@@ -336,7 +335,7 @@ class StepTracer:
                 outputs.append(OutputShare(
                     name=output.name, loss_weight=factor, count=output.count,
                     value=output.value,
-                    grads=tuple(_share_like(grad, share, factor, scale, variable)
+                    grads=tuple(gradients.share_like(grad, share, factor, scale, variable)
                                 for grad, share, variable in zip(grads, shares, variables))))
         return tuple(outputs)
 
@@ -368,39 +367,3 @@ def _leading_size(tensor):
     dependency).
     """
     return tf.raw_ops.Shape(input=tensor, out_type=tf.int64)[0]
-
-
-def _share_like(grad, share, factor, scale, variable):
-    """`share * factor * scale` in the form of `grad` (`None`, dense or the same rows)."""
-    if grad is None:
-        return None
-    if share is None:  # this output does not reach the variable
-        if isinstance(grad, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices, grad.dense_shape)
-        return tf.zeros_like(grad)
-    if isinstance(grad, tf.IndexedSlices) != isinstance(share, tf.IndexedSlices):
-        if isinstance(grad, tf.IndexedSlices):
-            raise ValueError(
-                f"Variable {variable.name!r} receives a sparse gradient from the "
-                "whole loss but a dense one from one output's loss: tfaccum cannot "
-                "split it by output. Pass sparse_gradients=\"dense\" to the callback."
-            )
-        share = tf.convert_to_tensor(share)
-
-    def scaled(values):
-        values = tf.cast(values, grad.dtype) * factor
-        return values if scale is None else values * tf.cast(scale, values.dtype)
-
-    if isinstance(share, tf.IndexedSlices):
-        return tf.IndexedSlices(scaled(share.values), share.indices, share.dense_shape)
-    return scaled(share)
-
-
-def _minus(grad, shares):
-    """`grad` minus `shares` (each `None` where `grad` is; rows of the same indices)."""
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        values = grad.values - tf.add_n([share.values for share in shares])
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return grad - tf.add_n(shares)

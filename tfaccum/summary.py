@@ -17,7 +17,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
 from tfaccum import _keras
-from tfaccum.norms import unscaled
+from tfaccum.gradients import unscaled
 from tfaccum.observers import WindowObserver
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
