@@ -400,11 +400,11 @@ def test_variables_are_made_ahead_only_for_keras_own_step():
 def test_an_empty_window_at_an_epoch_end_runs_no_graph(monkeypatch):
     # Epochs that end on a window's end: the flush (or drop) has nothing to
     # do, and neither traces nor runs its graph.
-    from tfaccum.hook import AccumulationHook
+    from tfaccum.host_ends import HostEnds
 
     ran = []
-    original = AccumulationHook._run
-    monkeypatch.setattr(AccumulationHook, "_run",
+    original = HostEnds.run
+    monkeypatch.setattr(HostEnds, "run",
                         lambda self, name, graph: (ran.append(name), original(self, name, graph))[1])
     x, y = make_data(n=96)
     for leftover in ("flush", "drop"):

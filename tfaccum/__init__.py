@@ -4,7 +4,7 @@ from tfaccum.callback import GradientAccumulationCallback
 from tfaccum.convert import convert_batch_norm
 from tfaccum.layers import AccumBatchNormalization
 from tfaccum.hook import AccumulationHook
-from tfaccum.hook import Window
+from tfaccum.observers import Window
 from tfaccum.hook import install_accumulation_hook
 from tfaccum.hook import remove_accumulation_hook
 from tfaccum.items import count_items

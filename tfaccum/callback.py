@@ -2,6 +2,7 @@
 
 from tfaccum import _keras
 from tfaccum import checks
+from tfaccum import epoch_log
 from tfaccum.hook import AccumulationHook
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
@@ -15,7 +16,6 @@ from tfaccum.schedule import AccumulationSchedule
 from tfaccum.summary import AccumulationSummaries
 from tfaccum.window_loss import window_loss_of
 
-_PAST = {"flush": "flushed", "carry": "carried", "drop": "dropped"}
 # Constructor arguments: the attribute that holds each (get_config, repr).
 _OPTIONS = {
     "accumulation_steps": "accumulation_steps",
@@ -36,97 +36,60 @@ _OPTIONS = {
 class GradientAccumulationCallback(_keras.Callback):
     """Trains with micro-batches as if the batch were `accumulation_steps` times larger.
 
-    At the start of `fit` the callback installs an accumulating step on the
-    model (see `AccumulationHook`): the gradients of `accumulation_steps`
-    consecutive micro-batches are summed and the optimizer updates once with
-    their normalised sum. `optimizer.iterations`, and with it every
-    learning-rate schedule, counts those updates. Metrics and the progress bar
-    still update every micro-batch. When `fit` ends the hook is removed and the
-    model is a plain Keras model again.
-
-    A model compiled with a `tfaccum.WindowLoss` (a loss with in-batch
-    negatives: `InBatchSoftmax`, `NTXent`) gets its loss computed over the
-    whole window, by gradient caching (`tfaccum.gradient_cache`): still
-    exactly the large batch.
+    At the start of `fit` the callback installs an `AccumulationHook`: the
+    gradients of `accumulation_steps` micro-batches are summed and the
+    optimizer updates once with the large batch's gradient;
+    `optimizer.iterations` (and every learning-rate schedule) counts those
+    updates. A model compiled with a `tfaccum.WindowLoss` (in-batch
+    negatives) gets its loss over the whole window, by gradient caching.
+    When `fit` ends the model is a plain Keras model again.
 
     Args:
-        accumulation_steps: Micro-batches per optimizer update. An integer
-            >= 1; a dict `{epoch: steps}` whose value applies from that epoch
-            (0-based) on, with 1 before its smallest key, e.g. `{0: 8, 5: 4}`;
-            or a callable `epoch -> steps`, evaluated at each epoch's start.
+        accumulation_steps: Micro-batches per update: an integer >= 1, a
+            dict `{epoch: steps}` (from that epoch on; 1 before the smallest
+            key), or a callable `epoch -> steps`.
         reduction: How a window's gradients are combined. `"auto"` weights
-            each micro-batch by what its loss is an average over and divides
-            by the window's total, so a window is exactly one large batch,
-            even when it ends with a smaller micro-batch: its samples, or,
-            where a Keras mask (`Embedding(mask_zero=True)`, `Masking`, ...)
-            or `ignore_class=` reaches the loss, its unmasked elements
-            (tokens). A custom loss or step says it with
-            `tfaccum.count_items()`. `"samples"` always weights by samples
-            (exact for losses averaged per sample); `"mean"` weights
-            micro-batches equally (Keras' built-in behaviour); `"sum"` adds
-            them without dividing (for losses reduced with `"sum"`). A
-            `tfaccum.Reduction` instance is a weighting of your own.
-            Defaults to `"auto"`.
-        leftover: What happens to a window that is not full when an epoch
-            ends. `"flush"` applies it, normalised by what it holds, before
-            validation runs. `"carry"` keeps it for the next epoch and applies
-            what remains when `fit` ends. `"drop"` discards it and counts its
-            micro-batches in `dropped_micro_steps`. Defaults to `"flush"`.
-        verbose: `0` is silent; `1` prints, after each epoch, the micro-steps,
-            updates and leftover window of that epoch. Defaults to `0`.
-        skip_nonfinite: Leave a micro-batch whose gradient holds a NaN or an
-            infinity out of its window, counted in `nonfinite_skips`, instead
-            of letting it spoil the whole window; under mixed precision the
-            loss scale is halved too, as Keras does. With several replicas a
-            replica leaves out its own share of the micro-batch (counted
-            in `nonfinite_skips`), and the loss scale is halved once at the
-            window's end, alike on every replica. Defaults to `None`: on
-            under mixed precision (`LossScaleOptimizer`), where overflow is
-            expected, off in float32, where it usually means divergence.
+            each micro-batch by what its loss averages over (its samples, or
+            the unmasked tokens where a Keras mask or `ignore_class` reaches
+            the loss; custom losses say it with `tfaccum.count_items()`) and
+            divides by the window's total: exactly the large batch. `"samples"`
+            weights by samples, `"mean"` weights micro-batches equally (Keras'
+            built-in), `"sum"` adds without dividing; a `tfaccum.Reduction`
+            instance is your own. Defaults to `"auto"`.
+        leftover: A window not full when an epoch ends: `"flush"` applies it
+            before validation, `"carry"` keeps it for the next epoch (applied
+            when `fit` ends), `"drop"` discards it (`dropped_micro_steps`).
+            Defaults to `"flush"`.
+        verbose: `1` prints each epoch's micro-steps, updates and leftover.
+            Defaults to `0`.
+        skip_nonfinite: Leave out of its window a micro-batch whose gradient
+            holds a NaN or an infinity (`nonfinite_skips`; with replicas, that
+            replica's share), halving a dynamic loss scale as Keras does.
+            Defaults to `None`: on exactly under a `LossScaleOptimizer`.
         noise_scale: Estimate the gradient noise scale B_simple (McCandlish et
-            al. 2018), the batch size beyond which more accumulation stops
-            paying, from the micro-batch and window gradients it already has;
-            read it as `callback.noise_scale` and
-            `callback.suggested_accumulation_steps`. With several replicas
-            the small batches are the first replica's shares. Defaults to
-            `None`: on whenever `accumulation_steps` > 1 (windows of one
-            micro-batch give no estimate), except with a window-wide loss
-            (a micro-batch has no gradient of its own there); `True` insists, and is an error
-            with `accumulation_steps=1`; `False` turns it off.
-        log_dir: Directory for TensorBoard summaries of every optimizer
-            update and leftover event, shown in the "Accumulation" tab
-            (`tensorboard --logdir <parent>`). With several replicas the
-            series are the global window's (written by the chief worker
-            only; other workers write nothing) and the micro-batch norms
-            those of the first replica's shares. Defaults to `None` (no
-            summaries).
+            al. 2018) from the gradients the window already has
+            (`callback.noise_scale`, `callback.suggested_accumulation_steps`;
+            with replicas, the first replica's shares are the small batches).
+            Defaults to `None`: on for windows of 2 or more, off with a
+            window-wide loss; `True` needs `accumulation_steps` > 1.
+        log_dir: Directory for the "Accumulation" TensorBoard tab's summaries
+            of every update and leftover event (with several workers, the
+            chief's). Defaults to `None`.
         scalars: With `log_dir`, also write the applied gradient norm as a
-            plain scalar (`accumulation/gradient_norm`) for the Scalars and
-            Time Series tabs. Defaults to `False`: the Accumulation tab
-            already shows it, and those tabs stay for your own metrics.
-        write_interval: With `log_dir`, seconds after which the summaries
-            recorded so far are written to disk even within an epoch, so a
-            killed process loses at most about that much. Checked on the
-            host after each batch, without reading the device. Defaults to
-            `30`.
-        sparse_gradients: `"rows"`: a sparse gradient (an embedding's
-            `IndexedSlices`) reaches the optimizer as the window's rows in one
-            `IndexedSlices`, as the large batch's would, so every optimizer
-            (Adam and Adagrad treat rows one by one) updates as for the large
-            batch; memory: the window's looked-up rows. `"dense"`: summed
-            into a dense accumulator and applied densely; memory: the whole
-            variable. Defaults to `"rows"` (`"dense"`, with a warning, under
-            `jit_compile=True` and with several replicas).
-        accumulator_dtype: `"float32"` (the default; float64 variables keep
-            float64 accumulators) or `"bfloat16"`: the
-            dense accumulators hold half as much, and the peak is lower under
-            a pooling allocator (a GPU's, or the CPU's with
-            `TF_CPU_ALLOCATOR_USE_BFC=true`) but higher than float32's on the
-            CPU's default allocator (README, "Memory"); each micro-step is
-            summed in float32 and rounded stochastically, so the window's sum
-            is the float32 sum on average (README: "Reduced-precision
-            accumulators" says how far it strays). Sparse rows stay float32.
-            Refused under a strategy with several replicas.
+            plain scalar (`accumulation/gradient_norm`). Defaults to `False`.
+        write_interval: With `log_dir`, seconds after which recorded summaries
+            are written even within an epoch. Defaults to `30`.
+        sparse_gradients: `"rows"`: a sparse (embedding) gradient reaches the
+            optimizer as the window's rows in one `IndexedSlices`, as the large
+            batch's (memory: the looked-up rows); `"dense"`: summed into a dense
+            accumulator (memory: the variable). Defaults to `"rows"` (`"dense"`,
+            with a warning, under `jit_compile=True` and with replicas).
+        accumulator_dtype: `"float32"` (float64 variables keep float64) or
+            `"bfloat16"`: half the accumulators' memory under a pooling
+            allocator (a GPU's, or `TF_CPU_ALLOCATOR_USE_BFC=true`; not the
+            CPU's default one), each micro-step summed in float32 and rounded
+            stochastically. Sparse rows stay float32; refused with replicas.
+            Defaults to `"float32"`.
 
     Attributes:
         counters: The last `fit`'s counters in one `tfaccum.counts.Counters`
@@ -171,17 +134,14 @@ class GradientAccumulationCallback(_keras.Callback):
         self.skip_nonfinite = checks.check_skip_nonfinite(skip_nonfinite)
         self.noise_scale_option = checks.check_noise_scale(
             noise_scale, accumulation_steps, self.schedule.always_one)
-        self.estimator = None  # a NoiseScaleEstimator once fit starts
+        self.estimator = self.summaries = None  # made at the first fit that wants them
         self.log_dir = checks.check_log_dir(log_dir)
         self.scalars = checks.check_scalars(scalars, log_dir)
         self.write_interval = checks.check_write_interval(write_interval)
         self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
         self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
-        self.summaries = None  # created at the first fit with a log_dir
         self._scope = FitScope(end_fit=self._end_fit)
         self._epoch_open = False
-
-    # -- counters -------------------------------------------------------------
 
     @property
     def hook(self):
@@ -201,9 +161,7 @@ class GradientAccumulationCallback(_keras.Callback):
     @property
     def suggested_accumulation_steps(self):
         """`accumulation_steps` whose window is closest to `noise_scale`, or `None`."""
-        if self.estimator is None:
-            return None
-        return self.estimator.suggested_accumulation_steps()
+        return None if self.estimator is None else self.estimator.suggested_accumulation_steps()
 
     def get_config(self):
         return {name: getattr(self, attribute) for name, attribute in _OPTIONS.items()}
@@ -211,8 +169,6 @@ class GradientAccumulationCallback(_keras.Callback):
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"GradientAccumulationCallback({args})"
-
-    # -- fit lifecycle ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -234,31 +190,14 @@ class GradientAccumulationCallback(_keras.Callback):
                 _keras.api_for(model).steps_per_execution(model))
 
     def _first_among_callbacks(self):
-        """Refuses checkpoints that cannot resume accumulation; runs first.
-
-        Moves this callback to the front of the fit's callbacks, so that a
-        window ends before any other callback's epoch-end work (a checkpoint
-        or a backup) sees the weights, also where the epoch's length is
-        unknown and the window can only end in `on_epoch_end`.
-        """
+        """Refuses checkpoints that cannot resume accumulation; moves this callback
+        first, so a window ends before any other callback's epoch-end work (a
+        checkpoint, a backup) sees the weights, even in epochs of unknown length."""
         callbacks = _keras.fit_callback_list(self)
         if callbacks is None:
             return
-        orbax = _keras.orbax_checkpoint_class()
-        for other in callbacks.callbacks:
-            if (orbax is not None and isinstance(other, orbax)
-                    and not isinstance(other.save_freq, str) and not self.schedule.always_one):
-                raise ValueError(
-                    "OrbaxCheckpoint with an integer `save_freq` cannot resume gradient "
-                    "accumulation: it counts batches from `optimizer.iterations`, which "
-                    "counts optimizer updates (one per window), so a resumed `fit` saves "
-                    "steps that already exist (StepAlreadyExistsError; Keras' own "
-                    "`gradient_accumulation_steps` fails alike). Use "
-                    "OrbaxCheckpoint(save_freq='epoch') (with `initial_epoch` when "
-                    "resuming) or keras.callbacks.ModelCheckpoint. Received: "
-                    f"OrbaxCheckpoint(save_freq={other.save_freq!r}) with "
-                    f"accumulation_steps={self.accumulation_steps!r}"
-                )
+        checks.check_fit_callbacks(callbacks.callbacks, self.schedule.always_one,
+                                   self.accumulation_steps)
         if callbacks.callbacks[0] is not self:
             callbacks.callbacks.remove(self)
             callbacks.callbacks.insert(0, self)
@@ -286,45 +225,33 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""
-        self.summaries = self.estimator = None
-        for observer in hook.observers:
-            if isinstance(observer, AccumulationSummaries):
-                self.summaries = observer
-                observer.log_dir = self.log_dir
-                observer.scalars = self.scalars
-                observer.write_interval = self.write_interval
-            elif isinstance(observer, NoiseScaleEstimator):
-                self.estimator = observer
-                observer.restart()
+        def of(cls):
+            return next((o for o in hook.observers if isinstance(o, cls)), None)
+
+        self.summaries, self.estimator = of(AccumulationSummaries), of(NoiseScaleEstimator)
+        if self.summaries is not None:
+            summaries = self.summaries
+            summaries.log_dir, summaries.scalars = self.log_dir, self.scalars
+            summaries.write_interval = self.write_interval
+        if self.estimator is not None:
+            self.estimator.restart()
 
     def _new_hook(self, model, configuration):
-        strategy = model.distribute_strategy
         wanted = configuration.observers
         self.estimator = NoiseScaleEstimator() if NoiseScaleEstimator in wanted else None
-        self.summaries = None
-        # Across workers the chief writes: every worker's rows are the same.
-        if AccumulationSummaries in wanted:
-            self.summaries = AccumulationSummaries(
-                self.log_dir,
-                scalars=self.scalars,
-                write_interval=self.write_interval,
-                noise=self.estimator,
-            )
+        # Across workers the chief writes (`_configuration`): every worker's rows are the same.
+        self.summaries = AccumulationSummaries(
+            self.log_dir, scalars=self.scalars, write_interval=self.write_interval,
+            noise=self.estimator) if AccumulationSummaries in wanted else None
         observers = [o for o in (self.estimator, self.summaries) if o is not None]
-        observers += window_observers(model, strategy)
+        observers += window_observers(model, model.distribute_strategy)
         # Windows of 1 until each epoch's start sets the schedule's.
         return AccumulationHook.made_with(model, configuration, observers, accumulation_steps=1)
 
     def on_epoch_begin(self, epoch, logs=None):
         try:
-            steps = self.schedule(epoch)
-            if steps == 1 and self.noise_scale_option:
-                raise ValueError(
-                    "The noise scale compares gradients at two batch sizes: "
-                    "it needs `accumulation_steps` >= 2. Received: "
-                    f"noise_scale=True with accumulation_steps({epoch}) = 1 "
-                    "at the start of that epoch. Pass noise_scale=False."
-                )
+            steps = checks.check_noise_scale_at_epoch(
+                self.schedule(epoch), epoch, self.noise_scale_option)
         except (TypeError, ValueError):
             self._abandon()
             raise
@@ -360,18 +287,10 @@ class GradientAccumulationCallback(_keras.Callback):
         self._last_batch = -1
         if self.verbose:
             now = self.hook.counts.numpy()
-            epoch_count = {name: now[name] - self._epoch_start[name] for name in now}
-            items = ""
-            if epoch_count["items"] != epoch_count["samples"]:
-                items = f" ({epoch_count['items']} items)"
-            _keras.print_msg(
-                f"Epoch {epoch + 1}: "
-                f"{_counted(epoch_count['micro_steps'], 'micro-step')}{items}, "
-                f"{_counted(epoch_count['optimizer_steps'], 'optimizer update')} "
-                f"(accumulation_steps={self.hook.accumulation_steps}); "
-                f"{self._describe_leftover(self._leftover_window)}"
-                f"{self._describe_noise_scale()}."
-            )
+            _keras.print_msg(epoch_log.epoch_line(
+                epoch, {name: now[name] - self._epoch_start[name] for name in now},
+                self.hook.accumulation_steps, self.leftover, self._leftover_window,
+                self.noise_scale, self.suggested_accumulation_steps))
 
     def on_train_end(self, logs=None):
         if self.hook is None or not self.hook.installed:
@@ -390,12 +309,7 @@ class GradientAccumulationCallback(_keras.Callback):
         if self.summaries is not None:
             self.summaries.flush()
         if self.verbose and window.micro_batches:
-            _keras.print_msg(
-                f"GradientAccumulationCallback: {_PAST[action]} "
-                f"{self._describe(window)} when fit ended."
-            )
-
-    # -- helpers ----------------------------------------------------------------
+            _keras.print_msg(epoch_log.fit_end_line(action, window))
 
     def _end_epoch(self):
         self._epoch_open = False
@@ -409,42 +323,12 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _log_leftover(self, policy, window):
         if self.summaries is not None and window.micro_batches:
+            counters = self.hook.counters
             self.summaries.write_leftover(
-                int(_keras.iterations(self.model.optimizer).numpy()),
-                policy,
-                window,
-                micro_steps=self.hook.micro_steps,
-                updates=self.hook.optimizer_steps,
-                nonfinite=self.hook.nonfinite_skips,
-            )
-
-    def _describe_noise_scale(self):
-        noise_scale = self.noise_scale
-        if noise_scale is None:
-            return ""
-        return (
-            f"; noise scale B_simple={noise_scale:.4g} (suggests "
-            f"accumulation_steps={self.suggested_accumulation_steps})"
-        )
-
-    def _describe_leftover(self, window):
-        if not window.micro_batches:
-            return "no partial window"
-        return f"{_PAST[self.leftover]} {self._describe(window)}"
-
-    @staticmethod
-    def _describe(window):
-        return (
-            f"a partial window of {_counted(window.micro_batches, 'micro-batch')} "
-            f"({_counted(window.samples, 'sample')})"
-        )
+                int(_keras.iterations(self.model.optimizer).numpy()), policy, window,
+                micro_steps=counters.micro_steps, updates=counters.optimizer_steps,
+                nonfinite=counters.nonfinite_skips)
 
     def _abandon(self):
         """Removes the hook after an error that aborts `fit`."""
         self._scope.abandon()
-
-
-def _counted(count, noun):
-    """`1 micro-step`, `2 micro-steps`."""
-    plural = "es" if noun.endswith("ch") else "s"
-    return f"{count} {noun}{'' if count == 1 else plural}"

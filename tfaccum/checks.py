@@ -79,6 +79,53 @@ def check_compiled(model, api, existing):
         )
 
 
+def check_reinstallable(reinstallable, model):
+    """Refuses `hook.reinstall()` where its traced step no longer fits `model`."""
+    if not reinstallable:
+        raise ValueError(
+            "This hook cannot be reinstalled: it is installed, or the "
+            f"model {model.name!r} was recompiled or changed since. "
+            "Create a new one with `tfaccum.install_accumulation_hook()`."
+        )
+
+
+def check_removable(loop_running, model):
+    """Refuses removing a hook from inside the `fit` that runs its train function.
+
+    `loop_running`: whether the `fit` owning the hook is in its loop (`None`
+    for a hook installed by hand: any running `fit` counts).
+    """
+    if loop_running is not False and _keras.fit_is_running(model):
+        raise RuntimeError(
+            "The accumulation hook of model "
+            f"{model.name!r} cannot be removed while its `fit` is "
+            "running: the running `fit` calls the accumulating train "
+            "function. To stop accumulating, stop training "
+            "(`model.stop_training = True`); the callback removes the hook "
+            "when `fit` ends. Received: a call to remove the hook from "
+            "inside `fit`."
+        )
+
+
+def check_fit_callbacks(callbacks, always_one, accumulation_steps):
+    """Refuses a `fit`'s checkpoints that cannot resume accumulation."""
+    orbax = _keras.orbax_checkpoint_class()
+    for other in callbacks:
+        if (orbax is not None and isinstance(other, orbax)
+                and not isinstance(other.save_freq, str) and not always_one):
+            raise ValueError(
+                "OrbaxCheckpoint with an integer `save_freq` cannot resume gradient "
+                "accumulation: it counts batches from `optimizer.iterations`, which "
+                "counts optimizer updates (one per window), so a resumed `fit` saves "
+                "steps that already exist (StepAlreadyExistsError; Keras' own "
+                "`gradient_accumulation_steps` fails alike). Use "
+                "OrbaxCheckpoint(save_freq='epoch') (with `initial_epoch` when "
+                "resuming) or keras.callbacks.ModelCheckpoint. Received: "
+                f"OrbaxCheckpoint(save_freq={other.save_freq!r}) with "
+                f"accumulation_steps={accumulation_steps!r}"
+            )
+
+
 def check_reduction(reduction):
     """A reduction's name, or a `tfaccum.Reduction` instance."""
     if isinstance(reduction, Reduction):
@@ -234,6 +281,18 @@ def check_noise_scale(noise_scale, accumulation_steps, always_one):
             f"{accumulation_steps!r}. Pass noise_scale=False, or accumulate."
         )
     return noise_scale
+
+
+def check_noise_scale_at_epoch(steps, epoch, noise_scale):
+    """`steps`, the schedule's window at `epoch`, unless `noise_scale=True` meets 1."""
+    if steps == 1 and noise_scale:
+        raise ValueError(
+            "The noise scale compares gradients at two batch sizes: "
+            "it needs `accumulation_steps` >= 2. Received: "
+            f"noise_scale=True with accumulation_steps({epoch}) = 1 "
+            "at the start of that epoch. Pass noise_scale=False."
+        )
+    return steps
 
 
 def check_scalars(scalars, log_dir):

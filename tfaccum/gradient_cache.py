@@ -26,6 +26,7 @@ import re
 import tensorflow as tf
 
 from tfaccum import _keras
+from tfaccum import replication
 from tfaccum.replication import variable_options
 from tfaccum.step import StepError
 from tfaccum.step import count_samples
@@ -265,15 +266,22 @@ class CachingStep:
     Args:
         model: The compiled model (its loss a `WindowLoss`).
         state: The hook's `WindowState` (accumulators and counts).
-        replication: The hook's `OneDevice` or `Replicas`.
-        cache: The `CachedGradients` the window's end asks.
+        observers: The hook's `WindowObserver`s.
     """
 
-    def __init__(self, model, state, replication, cache):
+    def __init__(self, model, state, observers):
         self.model = model
         self.state = state
-        self.replication = replication
-        self.cache = cache
+        self.cache = CachedGradients(model, state)
+        api, optimizer = _keras.api_for(model), model.optimizer
+
+        def apply_gradients(grads, variables, reduced=False):  # no patch is active here
+            api.apply(getattr(optimizer, api.apply_method), grads, variables, reduced)
+
+        # Nothing is left out: under a LossScaleOptimizer the optimizer skips a
+        # non-finite window, as the large batch's step.
+        self.replication = replication.for_model(
+            model, state, apply_gradients, observers, skip_nonfinite=False, source=self.cache)
 
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
@@ -403,9 +411,7 @@ class CachedGradients:
             self.buffers = WindowBuffers(parts, self.strategy)
 
     def forward(self, x):
-        if getattr(self.model, "_call_has_training_arg", True):
-            return self.model(x, training=True)
-        return self.model(x)
+        return _keras.training_forward(self.model, x)
 
     def prepare(self, window):
         """The window's loss, its gradient w.r.t. every replica's outputs, and where

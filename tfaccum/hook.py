@@ -12,59 +12,37 @@ optimizer applies it, and the observers see an `Update`.
 
 import warnings
 
-import tensorflow as tf
 
 from tfaccum import _keras
 from tfaccum import checks
-from tfaccum import gradients
-from tfaccum import replication
-from tfaccum.gradient_cache import CachedGradients
-from tfaccum.gradient_cache import CachingStep
+from tfaccum.accumulating_step import AccumulatingStep
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
+from tfaccum.gradient_cache import CachingStep
+from tfaccum.host_ends import HostEnds
 from tfaccum.moments import window_observers
-from tfaccum.observers import Window
 from tfaccum.patching import ModelInstallation
 from tfaccum.patching import installed_on
 from tfaccum.rollback import StepRollback
-from tfaccum.sources import AccumulatedGradients
 from tfaccum.step import StepError
-from tfaccum.step import StepTracer
 from tfaccum.window import WindowState
 from tfaccum.window_loss import window_loss_of
-
-# On one device, a hook's first flushes and drops run eagerly (see `_run`).
-EAGER_HOST_ENDS = 2
-
 
 
 @with_counter_properties
 class AccumulationHook:
     """Makes a compiled model update its weights once per window of micro-batches.
 
-    Creating the hook installs it: the model's `train_step` gets wrapped so
-    that the gradients its optimizer receives are summed into accumulators,
-    and the optimizer is called once every `accumulation_steps` micro-batches
-    with their normalised sum. `remove()` restores the plain model, and every
-    attribute the hook set is put back as it was. The model's `train_step`
-    (Keras' default, or an override) must apply its gradients through
-    `self.optimizer.apply_gradients()` or `self.optimizer.apply()`, at most
-    once per step; a step of a model with nothing to train passes through.
-
-    A window that is not full is kept until `flush()` (apply it now,
-    normalised by what it holds) or `drop()` (discard it). All per-step work
-    runs inside the model's compiled train function; counters are read from
-    the device only when you ask for them.
-
-    A model compiled with a `tfaccum.WindowLoss` (in-batch negatives) trains
-    through gradient caching instead (`tfaccum.gradient_cache`): the loss is
-    computed over the whole window, and the update is still the large batch's.
-
-    The optimizer receives the gradient the large batch would have produced:
-    the same values and the same type. A sparse (`IndexedSlices`) gradient,
-    such as an embedding's, arrives as the window's rows in one
-    `IndexedSlices` (with `sparse_gradients="rows"`).
+    Creating the hook installs it: the gradients the model's `train_step`
+    (Keras' or an override, applying through `self.optimizer` once per step)
+    hands its optimizer are summed, and the optimizer updates once every
+    `accumulation_steps` micro-batches with the large batch's gradient (the
+    same values and type: a sparse one as the window's rows). A model
+    compiled with a `tfaccum.WindowLoss` trains by gradient caching
+    (`tfaccum.gradient_cache`). A window that is not full waits for
+    `flush()` or `drop()`; `remove()` restores the plain model exactly.
+    Counters are read from the device only when asked for.
 
     Args:
         model: A compiled Keras model.
@@ -139,55 +117,21 @@ class AccumulationHook:
         # any other model's step hands its gradients to the accumulators.
         self.window_loss = window_loss_of(model)
         if self.window_loss is not None:
-            checks.check_window_loss_meets(
-                model, self.window_loss, configuration)
-            cache = CachedGradients(model, self.state)
-
-            def apply_gradients(grads, variables, reduced=False):  # no patch is active
-                api.apply(getattr(optimizer, api.apply_method), grads, variables, reduced)
-
-            self._replication = replication.for_model(
-                model, self.state, apply_gradients, self.observers, skip_nonfinite=False,
-                source=cache)
-            self._step = CachingStep(model, self.state, self._replication, cache).train_step
+            checks.check_window_loss_meets(model, self.window_loss, configuration)
+            self._step = CachingStep(model, self.state, self.observers)
         else:
-            self._tracer = StepTracer(
-                model, counts_items=self.reduction.counts_items, weigh=self.state.weight,
-                # Weighting the loss by the micro-batch's weight weights every
-                # gradient at once (cheaper than scaling each accumulated one),
-                # except under dynamic loss scaling, whose scale must stay a power of 2.
-                weight_in_loss=api.scales_loss_in_step
-                and not _keras.scales_loss_dynamically(optimizer),
-                loss_share=loss_share, on_micro_batch=self._micro_step)
-            self._replication = replication.for_model(
-                model, self.state, self._tracer.apply_gradients, self.observers,
-                skip_nonfinite=self.skip_nonfinite, source=AccumulatedGradients(self.state))
-            self._step = self._accumulating_step
+            self._step = AccumulatingStep(
+                model, self.state, self.observers, configuration,
+                skip_nonfinite=self.skip_nonfinite,
+                original_train_step=lambda: self.installation.original_train_step())
+        self._replication = self._step.replication
+        self._ends = HostEnds(model, self._replication)
         self.installation = ModelInstallation(model, self._train_step, self)
         self._rollback = StepRollback(model)
-        self._functions = {}
-        self._host_runs = {}
         self._replication.prepare()
-        self._make_variables_ahead(api)
+        self.state.create_ahead(model, api)
         self.set_accumulation_steps(accumulation_steps)
         self._install()
-
-    def _make_variables_ahead(self, api):
-        """Makes the optimizer's variables and the accumulators now.
-
-        A `tf.function` that makes variables on its first call traces twice;
-        made here, Keras' own step on a built model traces once (Keras itself
-        builds the optimizer in its first trace on one device). Embedding
-        tables get rows as well as a dense accumulator; the trace keeps one.
-        """
-        model = self.model
-        if not model.built or not _keras.trains_with_keras_step(model):
-            return
-        with tf.init_scope(), model.distribute_strategy.scope():
-            api.build_optimizer(model.optimizer, model.trainable_variables)
-            self.window.create_dense(model.trainable_variables, provisional=True)
-            # Replicas made theirs dense for good (`prepare`): no rows there.
-            self.window.create_rows(_keras.embedding_tables(model))
 
     # -- installation ---------------------------------------------------
 
@@ -223,12 +167,7 @@ class AccumulationHook:
         Saves re-tracing the train function when the same model is fitted
         again (for example `fit` called once per epoch).
         """
-        if not self.can_reinstall():
-            raise ValueError(
-                "This hook cannot be reinstalled: it is installed, or the "
-                f"model {self.model.name!r} was recompiled or changed since. "
-                "Create a new one with `tfaccum.install_accumulation_hook()`."
-            )
+        checks.check_reinstallable(self.can_reinstall(), self.model)
         self.state.zero()
         self._replication.zero()
         for observer in self.observers:
@@ -243,16 +182,7 @@ class AccumulationHook:
         """
         if not self.installed:
             return
-        if self.installation.loop_running is not False and _keras.fit_is_running(self.model):
-            raise RuntimeError(
-                "The accumulation hook of model "
-                f"{self.model.name!r} cannot be removed while its `fit` is "
-                "running: the running `fit` calls the accumulating train "
-                "function. To stop accumulating, stop training "
-                "(`model.stop_training = True`); the callback removes the hook "
-                "when `fit` ends. Received: a call to remove the hook from "
-                "inside `fit`."
-            )
+        checks.check_removable(self.installation.loop_running, self.model)
         pending = self.pending
         if pending.micro_batches:
             warnings.warn(
@@ -311,93 +241,27 @@ class AccumulationHook:
         With several replicas its samples are summed over them: every worker
         must read it (as it must call `flush()` and `drop()`).
         """
-        return self._replication.pending(self._run)
+        return self._ends.pending()
 
     def __repr__(self):
-        counts = self.counts.numpy()
-        return (
-            f"AccumulationHook(model={self.model.name!r}, "
-            f"accumulation_steps={self.accumulation_steps}, "
-            f"reduction={self.reduction!r}, installed={self.installed}, "
-            f"micro_steps={counts['micro_steps']}, "
-            f"optimizer_steps={counts['optimizer_steps']})"
-        )
+        counters = self.counters
+        return (f"AccumulationHook(model={self.model.name!r}, "
+                f"accumulation_steps={self.accumulation_steps}, "
+                f"reduction={self.reduction!r}, installed={self.installed}, "
+                f"micro_steps={counters.micro_steps}, "
+                f"optimizer_steps={counters.optimizer_steps})")
 
     # -- the per-step graph -------------------------------------------------------
 
     def _train_step(self, data):
         with self._rollback.guard():  # a refusal leaves the model as it was
             try:
-                return self._step(data)
+                return self._step.train_step(data)
             except StepError:
                 self.uninstall()  # `fit` stops here; leave a plain model behind.
                 raise
 
-    def _accumulating_step(self, data):
-        """The model's own step, its gradients handed to `_micro_step`."""
-        logs, nothing = self._tracer.train_step(self.installation.original_train_step(), data)
-        if nothing:  # nothing to train: Keras warns and skips the update; so do we
-            self.counts.add(self.counts.delta(micro_steps=1))
-        return logs
-
-    def _micro_step(self, micro):
-        """Adds a `MicroBatch` to the window (or leaves it out); ends a full window."""
-        state, replicas = self.state, self._replication
-        self.reduction.check(self.model)
-        replicas.check(micro)
-        state.track(micro, replicas.create)
-        if self.configuration.sparse_rows:
-            state.warn_if_densified(micro, "jit_compile=True (XLA needs fixed shapes)"
-                                    if self.model.jit_compile else "several replicas")
-        observers = replicas.observers_here()
-        seen = state.micro_step(micro)
-        totals = replicas.totals_per_micro_batch
-
-        def add():
-            delta = state.add(micro, totals)
-            for observer in observers:
-                observer.on_micro_step(seen)
-            return delta
-
-        def leave_out():
-            replicas.leave_out()
-            for observer in observers:
-                observer.on_leave_out(seen)
-            return state.leave_out(totals)
-
-        if self.skip_nonfinite:
-            delta = tf.cond(gradients.all_finite(micro.grads), add, leave_out)
-        else:
-            delta = add()
-        # This update depends on `samples`, so on the micro-batch's data: when
-        # a dataset of unknown length runs out, it cannot run before
-        # `get_next()` fails (Keras' own `optimizer.iterations` can, and
-        # counts a phantom step per epoch that way).
-        self.counts.add(delta)
-        replicas.after_micro_step()
-
     # -- host-triggered window ends -----------------------------------------
-
-    def _run(self, name, graph):
-        """Runs `graph` as a `Window`: eagerly, or compiled once.
-
-        On one device the first `EAGER_HOST_ENDS` runs of each graph are
-        eager: a flush happens once an epoch, and tracing the window's end
-        (the optimizer's update, the observers) for an epoch or two costs
-        more than running it op by op (a fit of two epochs of a small masked
-        model: about 0.7 s of 3.8). Later runs are compiled once.
-        """
-        runs = self._host_runs[name] = self._host_runs.get(name, 0) + 1
-        if self.model.run_eagerly or (
-                self._replication.ends_eagerly and runs <= EAGER_HOST_ENDS):
-            function = graph
-        else:
-            if name not in self._functions:
-                self._functions[name] = tf.function(graph, autograph=False)
-            function = self._functions[name]
-        with self.model.distribute_strategy.scope():
-            micro_batches, samples = function()
-        return Window(int(micro_batches), int(samples))
 
     def flush(self):
         """Applies a partial window now, normalised by what it holds.
@@ -405,9 +269,7 @@ class AccumulationHook:
         Returns:
             The `Window` that was applied (`Window(0, 0)` if none was pending).
         """
-        if not self._anything_pending():
-            return Window(0, 0)
-        return self._run("flush", self._replication.flush_graph)
+        return self._ends.flush()
 
     def drop(self):
         """Discards a partial window; it is counted in `dropped_micro_steps`.
@@ -415,15 +277,7 @@ class AccumulationHook:
         Returns:
             The `Window` that was discarded.
         """
-        if not self._anything_pending():
-            return Window(0, 0)
-        return self._run("drop", self._replication.drop_graph)
-
-    def _anything_pending(self):
-        # A host read of the counts: an empty window (an epoch that ended on
-        # a window's end) neither traces nor runs the window-end graph.
-        # Every worker reads the same total, so all skip it or none.
-        return self._replication.traced and self._replication.pending(self._run).micro_batches > 0
+        return self._ends.drop()
 
 
 def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,

@@ -12,6 +12,7 @@ import warnings
 
 import tensorflow as tf
 
+from tfaccum import _keras
 from tfaccum import gradients
 from tfaccum import reduction as _reduction
 from tfaccum.accumulators import Accumulators
@@ -143,6 +144,22 @@ class WindowState:
     @property
     def variables(self):
         return self.accumulators.variables
+
+    def create_ahead(self, model, api):
+        """Makes the optimizer's variables and the accumulators now, on the host.
+
+        A `tf.function` that makes variables on its first call traces twice;
+        made here, Keras' own step on a built model traces once (Keras itself
+        builds the optimizer in its first trace on one device). Embedding
+        tables get rows as well as a dense accumulator; the trace keeps one.
+        """
+        if not model.built or not _keras.trains_with_keras_step(model):
+            return
+        with tf.init_scope(), model.distribute_strategy.scope():
+            api.build_optimizer(model.optimizer, model.trainable_variables)
+            self.accumulators.create_dense(model.trainable_variables, provisional=True)
+            # Replicas made theirs dense for good (`prepare`): no rows there.
+            self.accumulators.create_rows(_keras.embedding_tables(model))
 
     def _weighs_items(self, every_sample_counts):
         """Whether a micro-batch's weight is its `items` (known while tracing)."""

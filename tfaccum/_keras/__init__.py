@@ -1,0 +1,87 @@
+"""The one place that knows which Keras a model belongs to, and Keras' private parts.
+
+The package re-exports, for `_keras.name`, what its modules hold: `api` (the
+`Keras3` / `TfKeras` objects and the model's own parts), `losses`,
+`distribution`, `batch_norm`, `multi_worker` and `window_loss` (gradient
+caching's internals).
+
+tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
+(`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one
+implementation: `hook.py` and `callback.py` ask `api_for(model)` for the few
+things the two do differently. `tf_keras` is never imported here; a model can
+only be a `tf_keras` model once its user has imported it.
+
+Every private Keras or TensorFlow attribute tfaccum uses is read or written
+here, and nowhere else; each says which versions it was checked on. "Checked"
+means read in the sources and exercised by the test suite, which CI runs on
+the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21) and, as a
+smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.7.0,
+tf_keras 2.16.0).
+"""
+
+from tfaccum._keras.api import (  # noqa: F401
+    api_for,
+    api_for_model_argument,
+    Callback,
+    check_backend,
+    compile_config,
+    embedding_tables,
+    fit_callback_list,
+    fit_is_running,
+    flatten_layers,
+    forget_traced_functions,
+    is_model,
+    is_tf_keras_model,
+    iterations,
+    Keras3,
+    optimizer_variables,
+    orbax_checkpoint_class,
+    other_optimizers,
+    print_msg,
+    regularized_weights,
+    scales_loss_dynamically,
+    stateful_variables,
+    SUPPORTED_BACKENDS,
+    TfKeras,
+    trains_with_keras_step,
+    unpack_x_y_sample_weight,
+)
+from tfaccum._keras.distribution import (  # noqa: F401
+    all_reduce_sum,
+    for_each_replica,
+    keep_as_function_call,
+    local_variable,
+    writes_summaries,
+)
+from tfaccum._keras.batch_norm import (  # noqa: F401
+    batch_norm_moments,
+    batch_norm_reduction_axes,
+    batch_norm_renorm,
+    tf_keras_batch_norm_moments,
+    tf_keras_training_value,
+)
+from tfaccum._keras.losses import (  # noqa: F401
+    as_in_total_loss,
+    compiled_loss_container,
+    compiled_losses_of,
+    keras_mask,
+    loss_divisor,
+    may_hold_several_losses,
+    replica_loss_share,
+    wrapped_losses_patch,
+)
+from tfaccum._keras.multi_worker import (  # noqa: F401
+    keras3_multi_worker_patch,
+)
+from tfaccum._keras.window_loss import (  # noqa: F401
+    compiled_loss,
+    computes_loss_as_keras,
+    global_seed_state,
+    has_compiled_metrics,
+    metrics_result,
+    random_layers,
+    scaled_loss,
+    seed_states,
+    track_loss,
+    training_forward,
+)

@@ -1,0 +1,182 @@
+"""What a compiled loss averages over: its container, losses, masks and divisors."""
+
+import sys
+
+import tensorflow as tf
+
+from tfaccum._keras.api import is_tf_keras_model
+
+
+# Reductions that divide by the number of (unmasked) elements; tf_keras'
+# "auto" is "sum_over_batch_size" in `fit`.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
+
+
+def compiled_loss_container(model):
+    """The object holding a model's compiled losses, or `None`.
+
+    Private: Keras 3's `Trainer._compile_loss` (a `CompileLoss`, Keras
+    3.7-3.15) and tf_keras' `Model.compiled_loss` (a `LossesContainer`,
+    2.16-2.21). Either is built (its losses resolved per output) before the
+    first step under a distribution strategy, else while it traces (`build`).
+    """
+    container = getattr(model, "_compile_loss", None)
+    if container is None and is_tf_keras_model(model):
+        container = getattr(model, "compiled_loss", None)
+    return container
+
+
+def compiled_losses_of(container):
+    """`[(output name, loss)]` of a built container, else `None`.
+
+    Private: `CompileLoss._flat_losses`, namedtuples `(path, loss,
+    loss_weights, name)` (Keras 3.7-3.15); `LossesContainer._losses` and
+    `_output_names`, `_built` (tf_keras 2.16-2.21; `None` for an output
+    without a loss).
+    """
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return [(entry[3], entry[1]) for entry in entries]
+    if getattr(container, "_built", False) and getattr(container, "_losses", None):
+        names = list(getattr(container, "_output_names", None) or [])
+        names += [None] * (len(container._losses) - len(names))
+        return [(name, loss) for name, loss in zip(names, container._losses) if loss is not None]
+    return None
+
+
+def may_hold_several_losses(model):
+    """Whether `model`'s compiled loss may hold two or more per-output losses.
+
+    Read from the built container where it is built, else from what
+    `compile` received: several losses, or one loss (which tf_keras, and
+    Keras 3 for some structures, repeat per output) on a model whose outputs
+    are several or not known yet. Private: `CompileLoss._user_loss` (Keras
+    3.7-3.15), `LossesContainer._user_losses` (tf_keras 2.16-2.21).
+    """
+    container = compiled_loss_container(model)
+    if container is None:
+        return False
+    built = compiled_losses_of(container)
+    if built is not None:
+        return len(built) >= 2
+    user = getattr(container, "_user_loss", getattr(container, "_user_losses", None))
+    losses = [loss for loss in tf.nest.flatten(user) if loss is not None]
+    if len(losses) >= 2:
+        return True
+    if not losses or tf.nest.is_nested(user):
+        return False
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    return outputs is None or len(tf.nest.flatten(outputs)) >= 2
+
+
+def wrapped_losses_patch(container, wrap):
+    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss, weight)`.
+
+    `weight` is the loss's `loss_weights` entry (`None` for none). Private:
+    `LossesContainer._loss_weights` (tf_keras 2.16-2.21, a flat list once built).
+    """
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return "_flat_losses", [
+            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1], entry[2])})
+            for entry in entries
+        ]
+    names = list(getattr(container, "_output_names", None) or [])
+    names += [None] * (len(container._losses) - len(names))
+    weights = list(getattr(container, "_loss_weights", None) or [])
+    weights += [None] * (len(container._losses) - len(weights))
+    return "_losses", [
+        None if loss is None else wrap(name, loss, weight)
+        for name, loss, weight in zip(names, container._losses, weights)
+    ]
+
+
+def replica_loss_share(model):
+    """What Keras multiplies each replica's loss by under the model's strategy.
+
+    1 / replicas: the replicas' gradients are then summed. Keras 3 releases
+    without `scale_loss_for_distribution` (3.7 among those tested) do not
+    divide: each replica's mean loss counts whole, and plain training under
+    a strategy takes replicas times the one-device gradient. Private:
+    `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.15).
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if not is_tf_keras_model(model):
+        from keras.src.losses import loss as keras_loss
+
+        if not hasattr(keras_loss, "scale_loss_for_distribution"):
+            return 1.0
+    return 1.0 / replicas
+
+
+def as_in_total_loss(loss, value):
+    """`value`, what compiled `loss` returned, as the loss container adds it up.
+
+    Under a strategy a loss averaged per batch is divided by the number of
+    replicas: Keras 3 does it inside the loss's call, tf_keras' container
+    after it.
+    """
+    tf_keras = sys.modules.get("tf_keras")
+    if (
+        tf_keras is not None
+        and isinstance(loss, tf_keras.losses.Loss)
+        and loss.reduction in ("auto", "sum_over_batch_size")
+    ):
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            return value * (1.0 / replicas)
+    return value
+
+
+def keras_mask(x):
+    """The Keras mask a tensor carries (`_keras_mask`), or `None`."""
+    return getattr(x, "_keras_mask", None)
+
+
+def loss_divisor(loss, values, mask, sample_weight):
+    """What Keras divides `loss` by, whether that is a fixed multiple of the samples, and
+    whether it is above 0 in every micro-batch with a sample.
+
+    `values` are the per-element losses `loss.call` returned (they may carry
+    a mask of their own, as `ignore_class` does) and `mask` the one `y_pred`
+    carried. Under `"sum_over_batch_size"` (and `"mean"`) Keras divides by
+    the number of unmasked elements (`keras.losses.Loss.__call__`, 3.7-3.15).
+    Returns `(None, False, False)` where it does not divide by a count
+    (`"sum"`, `"mean_with_sample_weight"`, no reduction) or `values` is unknown.
+    """
+    reduction = getattr(loss, "reduction", None)
+    if values is None or reduction not in _MEAN_REDUCTIONS:
+        return None, False, False
+    own = keras_mask(values)
+    if own is not None:
+        mask = own if mask is None else tf.logical_and(tf.cast(mask, tf.bool), tf.cast(own, tf.bool))
+    if mask is not None:
+        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.int64)), tf.int64), False, False
+    values = tf.convert_to_tensor(values)  # a loss may return a Python number
+    shape = values.shape
+    size = tf.size(values, out_type=tf.int64)
+    if sample_weight is not None:
+        # As `reduce_weighted_values` lines the weights up with the losses.
+        # Private: `keras.src.losses.loss.squeeze_or_expand_to_same_rank`
+        # (Keras 3.7-3.15).
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+
+        values, weights = squeeze_or_expand_to_same_rank(
+            values, tf.cast(sample_weight, values.dtype)
+        )
+        if values.shape.rank != weights.shape.rank or values.shape != weights.shape:
+            shape = tf.broadcast_static_shape(values.shape, weights.shape)
+            size = tf.reduce_prod(
+                tf.broadcast_dynamic_shape(
+                    tf.shape(values, out_type=tf.int64), tf.shape(weights, out_type=tf.int64)
+                )
+            )
+    proportional = shape.rank is not None and (
+        shape.rank == 0 or shape[1:].is_fully_defined()
+    )
+    # A scalar counts 1; otherwise a fixed number of elements per sample.
+    positive = proportional and (shape.rank == 0 or shape[1:].num_elements() > 0)
+    return size, proportional, positive
