@@ -338,7 +338,8 @@ def check_window_loss_meets(model, loss, configuration):
         refuse(f"a strategy across several machines ({type(strategy).__name__})",
                "the window's outputs are gathered across one machine's replicas only",
                "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
-    if replicas > 1 and _keras.is_tf_keras_model(model):
+    api = _keras.api_for(model)
+    if replicas > 1 and not api.gathers_across_replicas:
         refuse(f"a tf_keras model under a strategy with {replicas} replicas",
                "gathering the window's outputs across replicas is built for Keras 3 only",
                "Use Keras 3, or one device.")
@@ -357,7 +358,7 @@ def check_window_loss_meets(model, loss, configuration):
     if not _keras.computes_loss_as_keras(model):
         refuse("a `compute_loss` of its own", "the window's loss is computed from the "
                "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
-    if _keras.has_compiled_metrics(model):
+    if _keras.api_for(model).has_compiled_metrics(model):
         refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
                "yet (the loss is reported, as the large batch's)",
                "Compile without metrics and evaluate with `model.evaluate()` or a "
@@ -368,12 +369,12 @@ def check_window_loss_meets(model, loss, configuration):
         refuse(f"batch normalization (layers {norms})",
                "each micro-batch's forward pass would run twice, with its own batch "
                "statistics", "Use LayerNormalization in the towers.")
-    random = _keras.random_layers(model)
+    random = _keras.api_for(model).random_layers(model)
     if random:
         refuse(f"tf_keras layers that draw random numbers ({random})",
                "their masks cannot be drawn again for the second forward pass",
                "Use Keras 3 (its seed generators replay), or remove them.")
-    if _keras.is_tf_keras_model(model) and _keras.scales_loss_dynamically(model.optimizer):
+    if not api.caches_under_loss_scaling and _keras.scales_loss_dynamically(model.optimizer):
         refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
                "Use Keras 3, or float32.")
     if configuration.reduction != Auto():

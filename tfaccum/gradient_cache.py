@@ -322,7 +322,7 @@ class CachingStep:
                 "weight or activity regularizers, `add_loss`), which a window-wide "
                 "loss does not take yet: the window's loss would miss them. Remove "
                 "the regularizers, or compile with an ordinary loss.")
-        if len(_keras.seed_states(model)) != cache.layer_seeds:
+        if len(_keras.api_for(model).seed_states(model)) != cache.layer_seeds:
             raise StepError(
                 f"Model {model.name!r} made seed generators in its first step (it was "
                 "built by it): their dropout masks could not be drawn again. Build the "
@@ -400,11 +400,10 @@ class CachedGradients:
         """The seed states the forward pass draws from (found at the first step)."""
         if self.seed_states is not None:
             return
-        model = self.model
-        self.layer_seeds = len(_keras.seed_states(model))
-        self.seed_states = _keras.seed_states(model)
-        if not _keras.is_tf_keras_model(model):
-            self.seed_states.append(_keras.global_seed_state())
+        model, api = self.model, _keras.api_for(self.model)
+        self.seed_states = api.seed_states(model)
+        self.layer_seeds = len(self.seed_states)
+        self.seed_states += api.global_seed_states()
 
     def make_buffers(self, parts):
         if self.buffers is None:  # (another replica's thread may have made them)
@@ -433,7 +432,8 @@ class CachedGradients:
         mine = tf.nest.map_structure(lambda g: None if g is None else g[start:stop],
                                      output_grads)
         self._replay(mine, seeds, sizes, list(self.model.trainable_variables))
-        _keras.track_loss(self.model, loss, self.state.local()["window_samples"])
+        samples = self.state.local()["window_samples"]
+        _keras.api_for(self.model).track_loss(self.model, loss, samples)
         return self.state.accumulators.gradients()
 
     def loss(self, prepared, window):
@@ -452,7 +452,8 @@ class CachedGradients:
             tape.watch(tf.nest.flatten(outputs))
             # Keras divides a loss by the replicas (each replica's share of a
             # batch): this one is the whole window's.
-            loss = _keras.compiled_loss(model, parts["y"], outputs, parts["sample_weight"])
+            loss = _keras.api_for(model).compiled_loss(model, parts["y"], outputs,
+                                                       parts["sample_weight"])
             loss = loss / tf.cast(self.state.loss_share, loss.dtype)
             scaled = _keras.scaled_loss(model.optimizer, loss)
         return loss, tape.gradient(scaled, outputs)

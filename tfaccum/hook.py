@@ -104,7 +104,7 @@ class AccumulationHook:
         self.skip_nonfinite = configuration.skips_nonfinite(
             _keras.scales_loss_dynamically(optimizer))
         self.reduction.check(model)
-        loss_share = _keras.replica_loss_share(model)
+        loss_share = _keras.api_for(model).replica_loss_share(model)
         # Rows cannot be kept under XLA (fixed shapes): dense, with a warning.
         self._sparse_rows = configuration.sparse_rows and not model.jit_compile
         self.state = WindowState(strategy, self.reduction, loss_share=loss_share,

@@ -198,7 +198,7 @@ class LossCounting:
     """
 
     def __init__(self, model):
-        self._compile_loss = _keras.compiled_loss_container(model)
+        self._compile_loss = _keras.api_for(model).loss_container(model)
         self._lock = threading.Lock()
         self._depth = 0
         self._patches = []

@@ -156,7 +156,7 @@ class Sum(Reduction):
     name = "sum"
 
     def check(self, model):
-        regularized = _keras.regularized_weights(model)
+        regularized = _keras.api_for(model).regularized_weights(model)
         if regularized:
             raise ValueError(
                 "reduction='sum' adds the micro-batches' gradients, each with the "

@@ -1,14 +1,16 @@
 """The one place that knows which Keras a model belongs to, and Keras' private parts.
 
-The package re-exports, for `_keras.name`, what its modules hold: `api` (the
-`Keras3` / `TfKeras` objects and the model's own parts), `losses`,
-`distribution`, `batch_norm`, `multi_worker` and `window_loss` (gradient
-caching's internals).
+The package re-exports, for `_keras.name`, what its modules hold: `api`
+(`api_for(model)`: which Keras, and whether its backend is served), `keras3`
+and `tf_keras` (the `Keras3` and `TfKeras` objects: every difference between
+the two, as methods), `models` (what both read alike of a model, its
+optimizers and its `fit`), `losses`, `distribution`, `batch_norm`,
+`multi_worker` and `window_loss` (gradient caching's internals).
 
 tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
 (`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one
-implementation: `hook.py` and `callback.py` ask `api_for(model)` for the few
-things the two do differently. `tf_keras` is never imported here; a model can
+implementation: whoever needs a difference asks `api_for(model)`; no function
+asks the version itself. `tf_keras` is never imported here; a model can
 only be a `tf_keras` model once its user has imported it.
 
 Every private Keras or TensorFlow attribute tfaccum uses is read or written
@@ -22,9 +24,13 @@ tf_keras 2.16.0).
 from tfaccum._keras.api import (  # noqa: F401
     api_for,
     api_for_model_argument,
-    Callback,
     check_backend,
+    SUPPORTED_BACKENDS,
+)
+from tfaccum._keras.models import (  # noqa: F401
+    Callback,
     compile_config,
+    compiled_with_optimizer,
     embedding_tables,
     fit_callback_list,
     fit_is_running,
@@ -33,18 +39,30 @@ from tfaccum._keras.api import (  # noqa: F401
     is_model,
     is_tf_keras_model,
     iterations,
-    Keras3,
+    metrics_given,
     optimizer_variables,
     orbax_checkpoint_class,
     other_optimizers,
     print_msg,
-    regularized_weights,
+    regularized_variables,
     scales_loss_dynamically,
     stateful_variables,
-    SUPPORTED_BACKENDS,
-    TfKeras,
     trains_with_keras_step,
     unpack_x_y_sample_weight,
+)
+from tfaccum._keras.keras3 import (  # noqa: F401
+    Keras3,
+)
+from tfaccum._keras.tf_keras import (  # noqa: F401
+    TfKeras,
+)
+from tfaccum._keras.losses import (  # noqa: F401
+    as_in_total_loss,
+    compiled_losses_of,
+    keras_mask,
+    loss_divisor,
+    may_hold_several_losses,
+    wrapped_losses_patch,
 )
 from tfaccum._keras.distribution import (  # noqa: F401
     all_reduce_sum,
@@ -60,28 +78,12 @@ from tfaccum._keras.batch_norm import (  # noqa: F401
     tf_keras_batch_norm_moments,
     tf_keras_training_value,
 )
-from tfaccum._keras.losses import (  # noqa: F401
-    as_in_total_loss,
-    compiled_loss_container,
-    compiled_losses_of,
-    keras_mask,
-    loss_divisor,
-    may_hold_several_losses,
-    replica_loss_share,
-    wrapped_losses_patch,
-)
 from tfaccum._keras.multi_worker import (  # noqa: F401
     keras3_multi_worker_patch,
 )
 from tfaccum._keras.window_loss import (  # noqa: F401
-    compiled_loss,
     computes_loss_as_keras,
-    global_seed_state,
-    has_compiled_metrics,
     metrics_result,
-    random_layers,
     scaled_loss,
-    seed_states,
-    track_loss,
     training_forward,
 )

@@ -4,26 +4,12 @@ import sys
 
 import tensorflow as tf
 
-from tfaccum._keras.api import is_tf_keras_model
+from tfaccum._keras.api import api_for
 
 
 # Reductions that divide by the number of (unmasked) elements; tf_keras'
 # "auto" is "sum_over_batch_size" in `fit`.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
-
-
-def compiled_loss_container(model):
-    """The object holding a model's compiled losses, or `None`.
-
-    Private: Keras 3's `Trainer._compile_loss` (a `CompileLoss`, Keras
-    3.7-3.15) and tf_keras' `Model.compiled_loss` (a `LossesContainer`,
-    2.16-2.21). Either is built (its losses resolved per output) before the
-    first step under a distribution strategy, else while it traces (`build`).
-    """
-    container = getattr(model, "_compile_loss", None)
-    if container is None and is_tf_keras_model(model):
-        container = getattr(model, "compiled_loss", None)
-    return container
 
 
 def compiled_losses_of(container):
@@ -53,7 +39,7 @@ def may_hold_several_losses(model):
     are several or not known yet. Private: `CompileLoss._user_loss` (Keras
     3.7-3.15), `LossesContainer._user_losses` (tf_keras 2.16-2.21).
     """
-    container = compiled_loss_container(model)
+    container = api_for(model).loss_container(model)
     if container is None:
         return False
     built = compiled_losses_of(container)
@@ -92,24 +78,6 @@ def wrapped_losses_patch(container, wrap):
         None if loss is None else wrap(name, loss, weight)
         for name, loss, weight in zip(names, container._losses, weights)
     ]
-
-
-def replica_loss_share(model):
-    """What Keras multiplies each replica's loss by under the model's strategy.
-
-    1 / replicas: the replicas' gradients are then summed. Keras 3 releases
-    without `scale_loss_for_distribution` (3.7 among those tested) do not
-    divide: each replica's mean loss counts whole, and plain training under
-    a strategy takes replicas times the one-device gradient. Private:
-    `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.15).
-    """
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if not is_tf_keras_model(model):
-        from keras.src.losses import loss as keras_loss
-
-        if not hasattr(keras_loss, "scale_loss_for_distribution"):
-            return 1.0
-    return 1.0 / replicas
 
 
 def as_in_total_loss(loss, value):
