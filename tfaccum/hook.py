@@ -106,9 +106,9 @@ class AccumulationHook:
         self.reduction.check(model)
         loss_share = _keras.api_for(model).replica_loss_share(model)
         # Rows cannot be kept under XLA (fixed shapes): dense, with a warning.
-        self._sparse_rows = configuration.sparse_rows and not model.jit_compile
+        sparse_rows = configuration.sparse_rows and not model.jit_compile
         self.state = WindowState(strategy, self.reduction, loss_share=loss_share,
-                                 sparse_rows=self._sparse_rows,
+                                 sparse_rows=sparse_rows,
                                  dtype=configuration.dense_dtype)
         self.counts = self.state.counts
         self.window = self.state.accumulators

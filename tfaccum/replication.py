@@ -144,8 +144,7 @@ class OneDevice:
             applied = tf.cast(tf.convert_to_tensor(iterations) > before, tf.int64)
         update = Update(
             grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
-            counts=counts, iterations=_keras.iterations(self._optimizer),
-            mean_divisor=self.state.mean_divisor(window),
+            counts=counts, iterations=iterations, mean_divisor=self.state.mean_divisor(window),
             loss=self.source.loss(prepared, window), name_prefix=self.model.name + "/")
         for observer in self.observers_here():
             observer.on_apply(update)
