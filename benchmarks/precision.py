@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfaccum  # noqa: E402
-from tfaccum import precision  # noqa: E402
+from tfaccum.backend.tensorflow import precision  # noqa: E402
 
 SEQUENCE, MICRO = 32, 4
 

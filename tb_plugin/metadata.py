@@ -1,4 +1,4 @@
-"""What the writer (`tfaccum.summary`) and the reader (the plugin) agree on.
+"""What the writer (`tfaccum.backend.tensorflow.summary`) and the reader (the plugin) agree on.
 
 One place for the plugin name, the content proto's version, the tags, the
 `SummaryMetadata` that marks each series, and the vocabulary the callback,

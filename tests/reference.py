@@ -20,20 +20,23 @@ import os
 import warnings
 
 import numpy as np
-import tensorflow as tf
 
 from tfaccum import GradientAccumulationCallback
 from tfaccum import _keras
 
-# The suite runs on Keras 3, and again on Keras 2 (`tf_keras`) with
-# TF_USE_LEGACY_KERAS=1 (`make test` does both). Tests take `keras` from here.
+# The suite runs on Keras 3, again on Keras 2 (`tf_keras`) with
+# TF_USE_LEGACY_KERAS=1, and its core files on Keras 3's JAX backend with
+# KERAS_BACKEND=jax (`make test` does all three). Tests take `keras` from here.
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+    import tensorflow as tf
+
     keras = tf.keras  # tf_keras, as its users get it
     KERAS = "tf_keras"
 else:
     import keras
 
     KERAS = "keras3"
+BACKEND = "tensorflow" if KERAS == "tf_keras" else keras.backend.backend()
 
 
 # -- data and models ------------------------------------------------------------------
@@ -98,6 +101,8 @@ def mirrored(cross_device_ops=None):
     default) clash between several strategies in one process, with or
     without tfaccum.
     """
+    import tensorflow as tf
+
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     assert len(devices) == 2, "conftest configures two logical CPUs"
     return tf.distribute.MirroredStrategy(
@@ -286,7 +291,8 @@ def train_large_batches(model, x, y, updates, sample_weight=None, class_weight=N
     EMA is written into the weights), after the last weights were recorded.
     """
     steps_per_execution = getattr(model, "_steps_per_execution", None)
-    if isinstance(steps_per_execution, tf.Variable) and int(steps_per_execution.numpy()) > 1:
+    # A tf_keras model's is a variable (in a Keras 3 process too).
+    if hasattr(steps_per_execution, "assign") and int(steps_per_execution.numpy()) > 1:
         # tf_keras' `train_on_batch` would pull that many batches from one.
         steps_per_execution.assign(1)
         model.train_function = None
@@ -406,6 +412,23 @@ def _first(x):
     if isinstance(x, (list, tuple)):
         return x[0]
     return x
+
+
+def read_run(log_dir):
+    """{tag: [(step, value)]} and {tag: SummaryMetadata} of a run's event files,
+    through TensorBoard's Python loader (no TensorFlow needed)."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = event_accumulator.EventAccumulator(
+        log_dir, size_guidance={event_accumulator.TENSORS: 0})
+    accumulator.Reload()
+    series, metas = {}, {}
+    for tag in accumulator.Tags()[event_accumulator.TENSORS]:
+        events = accumulator.Tensors(tag)
+        series[tag] = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in events]
+        metas[tag] = accumulator.SummaryMetadata(tag)
+    return series, metas
 
 
 def ceil_div(a, b):

@@ -310,7 +310,7 @@ def test_options_are_keyword_only():
 
 def test_no_host_reads_on_inner_batches(monkeypatch):
     """Per-batch work stays in the graph: the hook is read once per epoch."""
-    from tfaccum.hook import AccumulationHook
+    from tfaccum.backend.tensorflow.hook import AccumulationHook
 
     reads = []
     for name in ("flush", "drop", "pending", "micro_steps", "optimizer_steps"):
@@ -400,7 +400,7 @@ def test_variables_are_made_ahead_only_for_keras_own_step():
 def test_an_empty_window_at_an_epoch_end_runs_no_graph(monkeypatch):
     # Epochs that end on a window's end: the flush (or drop) has nothing to
     # do, and neither traces nor runs its graph.
-    from tfaccum.host_ends import HostEnds
+    from tfaccum.backend.tensorflow.host_ends import HostEnds
 
     ran = []
     original = HostEnds.run

@@ -15,7 +15,7 @@ from reference import keras
 from reference import largest_update_diff
 from reference import train_large_batches
 from reference import windows
-from test_summary import read_run
+from reference import read_run
 from test_summary import values
 
 import tfaccum

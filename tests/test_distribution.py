@@ -19,7 +19,7 @@ from test_nonfinite import poisoned_data
 from test_nonfinite import scaled_adam
 from test_summary import global_norm
 from test_summary import gradients
-from test_summary import read_run
+from reference import read_run
 from test_summary import values
 
 from tb_plugin import metadata

@@ -18,7 +18,7 @@ import tfaccum
 from tfaccum import AccumulationHook
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
-from tfaccum.noise_scale import NoiseScaleEstimator
+from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator
 
 
 def test_noise_scale_does_not_depend_on_the_reduction():
@@ -108,14 +108,14 @@ def test_carried_window_is_applied_before_the_ema_is_written():
 
 
 def summary_steps(log_dir):
-    from test_summary import read_run
+    from reference import read_run
     from test_summary import steps
 
     return steps(read_run(log_dir)[0], "applied_gradient_norm")
 
 
 def test_a_full_summary_buffer_loses_rows_it_does_not_overwrite(tmp_path):
-    from tfaccum.summary import AccumulationSummaries
+    from tfaccum.backend.tensorflow.summary import AccumulationSummaries
 
     x, y = make_data(n=48)
     model = make_model()

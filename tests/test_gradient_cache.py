@@ -386,7 +386,7 @@ def test_two_replicas_gather_the_window_as_one_device(case, tmp_path):
     assert result.callback.samples == 76
     assert result.model.optimizer.iterations.numpy() == len(result.updates)
     if kwargs:
-        from test_summary import read_run
+        from reference import read_run
         from test_summary import values
 
         series, _ = read_run(kwargs["log_dir"])
@@ -457,7 +457,7 @@ def test_a_window_the_loss_scale_skips_is_not_an_update(mixed_precision):
 
 
 def test_the_dashboard_shows_the_window_loss(tmp_path):
-    from test_summary import read_run
+    from reference import read_run
     from test_summary import values
 
     x, y = _data(24)

@@ -13,6 +13,7 @@ from reference import max_weight_diff
 import tfaccum
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
+from tfaccum.backend.tensorflow.observers import WindowObserver
 
 
 def linear_model():
@@ -66,7 +67,7 @@ def test_flush_normalises_by_what_the_window_holds():
     hook.remove()
 
 
-class ApplyRecorder(tfaccum.observers.WindowObserver):
+class ApplyRecorder(WindowObserver):
     """Records, for each `on_apply` call, whether it ran eagerly (else: traced)."""
 
     def __init__(self):

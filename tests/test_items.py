@@ -22,7 +22,7 @@ from reference import max_diff
 import tfaccum
 from tfaccum import GradientAccumulationCallback
 from tfaccum import reduction
-from tfaccum import window
+from tfaccum.backend.tensorflow import window
 
 TOL = 1e-5
 N, T, VOCAB, CLASSES = 50, 10, 20, 5  # 13 micro-batches of 4: the last holds 2
@@ -301,7 +301,7 @@ def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
     # Each output's accumulator per replica; each output's total over both
     # replicas at the window's end (with the counts, no extra collective).
     from reference import mirrored
-    from test_summary import read_run
+    from reference import read_run
     from test_summary import values
 
     tokens, labels, _, _ = sequences()
@@ -327,7 +327,7 @@ def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
     pytest.param(1, id="one-output", marks=pytest.mark.once), pytest.param(2, id="two-outputs")])
 def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
     """Recorded per update: the loss the large batch reports, point for point."""
-    from test_summary import read_run
+    from reference import read_run
     from test_summary import values
 
     tokens, labels, _, padding = sequences()

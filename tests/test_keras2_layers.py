@@ -1,4 +1,4 @@
-"""`tfaccum.keras2.AccumBatchNormalization` and `convert_batch_norm` on tf_keras models.
+"""`tfaccum.backend.tensorflow.keras2.AccumBatchNormalization` and `convert_batch_norm` on tf_keras models.
 
 tf_keras models imported directly, in whichever Keras process runs the suite,
 against tf_keras' own `BatchNormalization` at the large batch: fused (4D
@@ -12,7 +12,7 @@ import tfaccum
 from tfaccum import GradientAccumulationCallback
 
 tf_keras = pytest.importorskip("tf_keras")  # part of the test extra
-from tfaccum.keras2 import AccumBatchNormalization  # noqa: E402
+from tfaccum.backend.tensorflow.keras2 import AccumBatchNormalization  # noqa: E402
 
 TOL = 1e-5
 

@@ -11,7 +11,7 @@ import keras_hub
 import numpy as np
 
 from reference import max_weight_diff
-from test_summary import read_run
+from reference import read_run
 
 import tfaccum
 from tb_plugin import metadata

@@ -11,7 +11,7 @@ from reference import make_data
 from reference import make_model
 
 from tfaccum import GradientAccumulationCallback
-from tfaccum.noise_scale import NoiseScaleEstimator
+from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator
 from tfaccum.noise_scale import SMOOTHING
 
 
@@ -131,7 +131,7 @@ def test_explicit_noise_scale_needs_two_batch_sizes():
 
 
 def test_written_for_the_dashboard(tmp_path):
-    from test_summary import read_run
+    from reference import read_run
     from test_summary import steps
 
     x, y = make_data()

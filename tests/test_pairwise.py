@@ -220,7 +220,7 @@ def test_pair(policy, tmp_path):
     assert callback.nonfinite_skips == (EPOCHS if poisoned(row) else 0)  # micro-batches or shares
     assert (callback.estimator is not None) == (row["noise_scale"] is not False)
     if row["log_dir"]:
-        from test_summary import read_run
+        from reference import read_run
         from test_summary import steps
 
         assert len(steps(read_run(log_dir)[0], "applied_gradient_norm")) == len(applied)

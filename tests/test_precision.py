@@ -16,8 +16,8 @@ from reference import keras
 from reference import max_diff
 
 from tfaccum import GradientAccumulationCallback
-from tfaccum import accumulators
-from tfaccum import precision
+from tfaccum.backend.tensorflow import accumulators
+from tfaccum.backend.tensorflow import precision
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_what_bfloat16_holds():

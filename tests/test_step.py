@@ -13,8 +13,8 @@ import reference as oracle
 from reference import keras
 
 import tfaccum
-from tfaccum import _keras
-from tfaccum import step as step_module
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import step as step_module
 
 
 class SubclassedTwoOutputs(keras.Model):

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard.backend.event_processing import event_accumulator
 
 from reference import make_data
+from reference import read_run
 from reference import make_model
 
 from tb_plugin import metadata
@@ -13,19 +13,6 @@ from tfaccum import GradientAccumulationCallback
 
 # Its module-scoped fixtures are built once: its tests share a worker.
 pytestmark = pytest.mark.xdist_group("test_summary")
-
-
-def read_run(log_dir):
-    """{tag: [(step, value)]} and {tag: SummaryMetadata}, via the Python loader."""
-    accumulator = event_accumulator.EventAccumulator(
-        log_dir, size_guidance={event_accumulator.TENSORS: 0})
-    accumulator.Reload()
-    series, metas = {}, {}
-    for tag in accumulator.Tags()[event_accumulator.TENSORS]:
-        events = accumulator.Tensors(tag)
-        series[tag] = [(e.step, tf.make_ndarray(e.tensor_proto)) for e in events]
-        metas[tag] = accumulator.SummaryMetadata(tag)
-    return series, metas
 
 
 def values(series, name):
@@ -163,10 +150,10 @@ def test_buffer_is_written_before_it_fills(tmp_path, monkeypatch):
     """50 updates in one epoch through a device buffer of 16 rows."""
     import functools
 
-    import tfaccum.callback
-    from tfaccum.summary import AccumulationSummaries
+    from tfaccum.backend import tensorflow as backend
+    from tfaccum.backend.tensorflow.summary import AccumulationSummaries
 
-    monkeypatch.setattr(tfaccum.callback, "AccumulationSummaries",
+    monkeypatch.setattr(backend, "AccumulationSummaries",
                         functools.partial(AccumulationSummaries, capacity=16))
     x, y = make_data(n=400)
     log_dir = str(tmp_path / "run")

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from test_summary import read_run
+from reference import read_run
 
 from tb_plugin.metadata import TAG_PREFIX
 from tfaccum import GradientAccumulationCallback

@@ -8,11 +8,11 @@ from reference import make_data
 from reference import make_model
 
 from tfaccum import AccumulationHook
-from tfaccum.observers import WindowObserver
-from tfaccum.accumulators import Accumulators
+from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.backend.tensorflow.accumulators import Accumulators
 from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
-from tfaccum.counts import Counts
+from tfaccum.backend.tensorflow.counts import Counts
 
 
 def test_counts_are_read_and_written_by_name():

@@ -1,35 +1,46 @@
-"""tfaccum: exact, observable gradient accumulation for Keras 3 / TensorFlow."""
+"""tfaccum: exact, observable gradient accumulation for Keras."""
 
-from tfaccum.callback import GradientAccumulationCallback
-from tfaccum.convert import convert_batch_norm
-from tfaccum.layers import AccumBatchNormalization
-from tfaccum.hook import AccumulationHook
-from tfaccum.observers import Window
-from tfaccum.hook import install_accumulation_hook
-from tfaccum.hook import remove_accumulation_hook
-from tfaccum.items import count_items
-from tfaccum.multi_worker import disable_keras3_multi_worker
-from tfaccum.multi_worker import enable_keras3_multi_worker
-from tfaccum.reduction import Reduction
-from tfaccum.window_loss import InBatchSoftmax
-from tfaccum.window_loss import NTXent
-from tfaccum.window_loss import WindowLoss
+import importlib
+
+from tfaccum.callback import GradientAccumulationCallback  # noqa: F401
+from tfaccum.counts import Window  # noqa: F401
+from tfaccum.install import install_accumulation_hook  # noqa: F401
+from tfaccum.install import remove_accumulation_hook  # noqa: F401
+from tfaccum.reduction import Reduction  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AccumBatchNormalization",
-    "AccumulationHook",
-    "GradientAccumulationCallback",
-    "InBatchSoftmax",
-    "NTXent",
-    "Reduction",
-    "Window",
-    "WindowLoss",
-    "convert_batch_norm",
-    "count_items",
-    "disable_keras3_multi_worker",
-    "enable_keras3_multi_worker",
-    "install_accumulation_hook",
-    "remove_accumulation_hook",
-]
+# Names a backend provides, imported when first used, so that `import
+# tfaccum` loads no framework the model does not run on.
+_FROM_BACKEND = {
+    "AccumBatchNormalization": "tfaccum.backend.tensorflow.layers",
+    "InBatchSoftmax": "tfaccum.backend.tensorflow.window_loss",
+    "NTXent": "tfaccum.backend.tensorflow.window_loss",
+    "WindowLoss": "tfaccum.backend.tensorflow.window_loss",
+    "convert_batch_norm": "tfaccum.backend.tensorflow.convert",
+    "count_items": "tfaccum.backend.tensorflow.items",
+    "disable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
+    "enable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
+}
+
+__all__ = sorted([
+    "AccumulationHook", "GradientAccumulationCallback", "Reduction", "Window",
+    "install_accumulation_hook", "remove_accumulation_hook", *_FROM_BACKEND])
+
+
+def __getattr__(name):
+    if name == "AccumulationHook":  # the hook of the backend Keras runs on
+        import keras
+
+        module = f"tfaccum.backend.{keras.backend.backend()}.hook"
+    elif name in _FROM_BACKEND:
+        module = _FROM_BACKEND[name]
+    else:
+        raise AttributeError(f"module 'tfaccum' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

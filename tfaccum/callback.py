@@ -1,20 +1,14 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
 from tfaccum import _keras
+from tfaccum import backend as backends
 from tfaccum import checks
 from tfaccum import epoch_log
-from tfaccum.hook import AccumulationHook
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
 from tfaccum.fit_scope import FitScope
-from tfaccum.moments import BatchNormWindows
-from tfaccum.moments import accumulating_layers
-from tfaccum.moments import window_observers
-from tfaccum.noise_scale import NoiseScaleEstimator
 from tfaccum.schedule import AccumulationSchedule
-from tfaccum.summary import AccumulationSummaries
-from tfaccum.window_loss import window_loss_of
 
 # Constructor arguments: the attribute that holds each (get_config, repr).
 _OPTIONS = {
@@ -92,10 +86,9 @@ class GradientAccumulationCallback(_keras.Callback):
             Defaults to `"float32"`.
 
     Attributes:
-        counters: The last `fit`'s counters in one `tfaccum.counts.Counters`
-            snapshot (`micro_steps`, `optimizer_steps`, `flushes`,
-            `dropped_micro_steps`, `nonfinite_skips`, `samples`, `items`),
-            each also a property of its own.
+        counters: The last `fit`'s counters, one `tfaccum.counts.Counters` snapshot
+            (`micro_steps`, `optimizer_steps`, `flushes`, `dropped_micro_steps`,
+            `nonfinite_skips`, `samples`, `items`), each also a property.
 
     Example:
 
@@ -141,6 +134,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
         self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
         self._scope = FitScope(end_fit=self._end_fit)
+        self._backend = None  # the model's, at `fit`
         self._epoch_open = False
 
     @property
@@ -173,8 +167,9 @@ class GradientAccumulationCallback(_keras.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         self._first_among_callbacks()
-        if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
-            checks.probe_log_dir(self.log_dir)
+        self._backend = backend = backends.for_model(model)
+        if self.log_dir is not None and backend.writes_summaries(model):
+            backend.probe_log_dir(self.log_dir)
         configuration = self._configuration(model)
         hook = self._scope.reusable(model, configuration)
         if hook is not None:  # same model, same compile: no re-tracing
@@ -205,13 +200,13 @@ class GradientAccumulationCallback(_keras.Callback):
     def _configuration(self, model):
         """The `Configuration` of the hook this callback makes for `model`: it builds
         the hook, and a traced hook of an equal one is reused."""
-        observers = []
+        backend, observers = self._backend, []
         if self._wants_noise_scale(model):
-            observers.append(NoiseScaleEstimator)
-        if self.log_dir is not None and _keras.writes_summaries(model.distribute_strategy):
-            observers.append(AccumulationSummaries)
-        if accumulating_layers(model):
-            observers.append(BatchNormWindows)
+            observers.append(backend.NoiseScaleEstimator)
+        if self.log_dir is not None and backend.writes_summaries(model):
+            observers.append(backend.AccumulationSummaries)
+        if backend.accumulating_layers(model):
+            observers.append(backend.BatchNormWindows)
         return Configuration.resolve(
             reduction=self.reduction, skip_nonfinite=self.skip_nonfinite,
             sparse_gradients=self.sparse_gradients, accumulator_dtype=self.accumulator_dtype,
@@ -221,32 +216,34 @@ class GradientAccumulationCallback(_keras.Callback):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
         # A window-wide loss has no micro-batch gradient to compare.
-        return not self.schedule.always_one and window_loss_of(model) is None
+        return not self.schedule.always_one and self._backend.window_loss_of(model) is None
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""
         def of(cls):
             return next((o for o in hook.observers if isinstance(o, cls)), None)
 
-        self.summaries, self.estimator = of(AccumulationSummaries), of(NoiseScaleEstimator)
+        self.summaries = of(self._backend.AccumulationSummaries)
+        self.estimator = of(self._backend.NoiseScaleEstimator)
         if self.summaries is not None:
-            summaries = self.summaries
-            summaries.log_dir, summaries.scalars = self.log_dir, self.scalars
-            summaries.write_interval = self.write_interval
+            self.summaries.log_dir, self.summaries.scalars = self.log_dir, self.scalars
+            self.summaries.write_interval = self.write_interval
         if self.estimator is not None:
             self.estimator.restart()
 
     def _new_hook(self, model, configuration):
-        wanted = configuration.observers
-        self.estimator = NoiseScaleEstimator() if NoiseScaleEstimator in wanted else None
+        backend, wanted = self._backend, configuration.observers
+        estimator, summaries = backend.NoiseScaleEstimator, backend.AccumulationSummaries
+        self.estimator = estimator() if estimator in wanted else None
         # Across workers the chief writes (`_configuration`): every worker's rows are the same.
-        self.summaries = AccumulationSummaries(
+        self.summaries = summaries(
             self.log_dir, scalars=self.scalars, write_interval=self.write_interval,
-            noise=self.estimator) if AccumulationSummaries in wanted else None
+            noise=self.estimator) if summaries in wanted else None
         observers = [o for o in (self.estimator, self.summaries) if o is not None]
-        observers += window_observers(model, model.distribute_strategy)
+        observers += backend.window_observers(model)
         # Windows of 1 until each epoch's start sets the schedule's.
-        return AccumulationHook.made_with(model, configuration, observers, accumulation_steps=1)
+        return backend.AccumulationHook.made_with(
+            model, configuration, observers, accumulation_steps=1)
 
     def on_epoch_begin(self, epoch, logs=None):
         try:
@@ -263,9 +260,8 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.summaries is not None:
-            # Write before the device buffer can fill (an update per
-            # micro-step at most), or when it is time to; counted here, never
-            # read from the device.
+            # Write before the device buffer can fill (at most an update per
+            # micro-step), or when it is time to: counted here, not read.
             self.summaries.on_batch_end(batch - self._last_batch, self._summary_headroom)
         self._last_batch = batch
         # The last batch of an epoch of known length: end the window before
@@ -313,12 +309,9 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _end_epoch(self):
         self._epoch_open = False
-        if self.leftover == "flush":
-            self._leftover_window = self.hook.flush()
-        elif self.leftover == "drop":
-            self._leftover_window = self.hook.drop()
-        else:
-            self._leftover_window = self.hook.pending
+        # "carry" leaves the window open: what it holds is only reported.
+        end = {"flush": self.hook.flush, "drop": self.hook.drop}.get(self.leftover)
+        self._leftover_window = end() if end is not None else self.hook.pending
         self._log_leftover(self.leftover, self._leftover_window)
 
     def _log_leftover(self, policy, window):

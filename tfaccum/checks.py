@@ -8,11 +8,8 @@ import difflib
 import numbers
 import os
 
-import tensorflow as tf
-
 from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
-from tfaccum.reduction import Auto
 from tfaccum.reduction import Reduction
 
 REDUCTIONS = ("auto", "samples", "mean", "sum")
@@ -219,21 +216,6 @@ def check_log_dir(log_dir):
     return path
 
 
-def probe_log_dir(log_dir):
-    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
-    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
-    try:
-        tf.io.gfile.makedirs(log_dir)
-        with tf.io.gfile.GFile(probe, "w") as file:
-            file.write("")
-        tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as error:
-        raise ValueError(
-            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
-            f"{error}. Received: log_dir={log_dir!r}"
-        ) from error
-
-
 def check_leftover(leftover):
     if not isinstance(leftover, str) or leftover not in LEFTOVERS:
         raise ValueError(
@@ -318,76 +300,3 @@ def check_write_interval(write_interval):
         )
     return float(write_interval)
 
-
-def check_window_loss_meets(model, loss, configuration):
-    """Refuses, by name, what a window-wide loss (gradient caching) cannot meet yet.
-
-    `configuration`: the hook's `Configuration` (its reduction, accumulators,
-    observers).
-
-    Everything accepted is exact: the window's update is the large batch's.
-    """
-    def refuse(what, why, fix):
-        raise ValueError(
-            f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
-            f"which cannot meet {what}: {why}. {fix}")
-
-    strategy = model.distribute_strategy
-    replicas = strategy.num_replicas_in_sync
-    if replicas > 1 and len(strategy.extended.worker_devices) < replicas:
-        refuse(f"a strategy across several machines ({type(strategy).__name__})",
-               "the window's outputs are gathered across one machine's replicas only",
-               "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
-    api = _keras.api_for(model)
-    if replicas > 1 and not api.gathers_across_replicas:
-        refuse(f"a tf_keras model under a strategy with {replicas} replicas",
-               "gathering the window's outputs across replicas is built for Keras 3 only",
-               "Use Keras 3, or one device.")
-    if not _keras.trains_with_keras_step(model):
-        refuse("a `train_step` of its own",
-               "the window's loss is computed by tfaccum's step, which runs Keras' "
-               "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
-    if model.jit_compile:
-        refuse("jit_compile=True (which Keras 3's default, \"auto\", picks on a GPU)",
-               "the window's buffers grow with each micro-batch, which XLA's fixed shapes "
-               "do not allow", "Compile with jit_compile=False.")
-    if replicas > 1 and _keras.may_hold_several_losses(model):
-        refuse(f"several compiled losses under a strategy with {replicas} replicas",
-               "the window's loss is taken whole and Keras' per-replica share undone for "
-               "it as one averaged loss", "Compile one loss, or train on one device.")
-    if not _keras.computes_loss_as_keras(model):
-        refuse("a `compute_loss` of its own", "the window's loss is computed from the "
-               "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
-    if _keras.api_for(model).has_compiled_metrics(model):
-        refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
-               "yet (the loss is reported, as the large batch's)",
-               "Compile without metrics and evaluate with `model.evaluate()` or a "
-               "callback.")
-    norms = [layer.name for layer in _keras.flatten_layers(model)
-             if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__)]
-    if norms:
-        refuse(f"batch normalization (layers {norms})",
-               "each micro-batch's forward pass would run twice, with its own batch "
-               "statistics", "Use LayerNormalization in the towers.")
-    random = _keras.api_for(model).random_layers(model)
-    if random:
-        refuse(f"tf_keras layers that draw random numbers ({random})",
-               "their masks cannot be drawn again for the second forward pass",
-               "Use Keras 3 (its seed generators replay), or remove them.")
-    if not api.caches_under_loss_scaling and _keras.scales_loss_dynamically(model.optimizer):
-        refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
-               "Use Keras 3, or float32.")
-    if configuration.reduction != Auto():
-        refuse(f"reduction={configuration.reduction!r}", "the loss itself averages over the "
-               "window, as over the large batch", "Leave reduction=\"auto\".")
-    if configuration.skip_nonfinite:
-        refuse("skip_nonfinite=True", "a non-finite window cannot be told apart by "
-               "micro-batch; under a LossScaleOptimizer the optimizer itself skips a "
-               "non-finite update, as for the large batch", "Leave skip_nonfinite=None.")
-    if configuration.accumulator_dtype != "float32":
-        refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}", "not measured yet",
-               "Use accumulator_dtype=\"float32\".")
-    if any(observer.reads_micro_batch_gradients for observer in configuration.observers):
-        refuse("noise_scale=True", "the noise scale compares micro-batch gradients with "
-               "the window's, and a window-wide loss has no gradient of its own per "
-               "micro-batch", "Pass noise_scale=None (off for window-wide losses).")

@@ -11,8 +11,6 @@ string or a class name.
 
 import dataclasses
 
-import tensorflow as tf
-
 from tfaccum import checks
 from tfaccum import reduction as reductions
 
@@ -54,8 +52,8 @@ class Configuration:
 
     @property
     def dense_dtype(self):
-        """The dense accumulators' dtype: `None` (the variable's) or `tf.bfloat16`."""
-        return None if self.accumulator_dtype == "float32" else tf.bfloat16
+        """The dense accumulators' dtype: `None` (the variable's) or `"bfloat16"`."""
+        return None if self.accumulator_dtype == "float32" else "bfloat16"
 
     def skips_nonfinite(self, scales_loss_dynamically):
         """Whether non-finite micro-batches are left out, for an optimizer that does

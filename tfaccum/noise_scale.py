@@ -12,133 +12,39 @@ size. As the paper does, the two are smoothed separately (exponential moving
 averages) before dividing.
 """
 
-import tensorflow as tf
-
-from tb_plugin import metadata
-from tfaccum import _keras
-from tfaccum.observers import WindowObserver
-
 SMOOTHING = 0.95  # weight of the past in the moving averages (about 20 windows)
 
 
-class NoiseScaleEstimator(WindowObserver):
-    """Estimates B_simple from each window's micro-batch and window gradients.
+def window_estimates(window_square, big, squares, seen, batches, ops):
+    """One window's unbiased estimates of |G|^2 and tr(Sigma).
 
-    Within a window of B samples, its micro-batches give B_small (their mean
-    size) and |G_small|^2 (the sample-weighted mean of their squared gradient
-    norms; the paper's estimator when they have one size). Measuring every
-    micro-batch costs one read of the gradients per micro-step; measuring only
-    one per window was tried and left the estimate about 4 times noisier
-    (standard deviation 0.45 instead of 0.10 of the exact value). Windows of
-    one micro-batch give no estimate.
+    Branch-free (no nested function call in a compiled update): where the
+    window held one micro-batch (B_small = B_big) `defined` is false and the
+    estimates are not to be used.
 
-    Both norms are of the gradient of a mean loss over the samples: under
-    `reduction="sum"` the micro-batch's is divided by its samples and the
-    window's by the window's, which B_simple (a ratio of two squared norms)
-    does not notice when the losses were means to begin with.
+    Args:
+        window_square: Squared norm of the window's (normalised) gradient.
+        big: Samples the window held (B_big), float32.
+        squares: Sum over its micro-batches of b |g|^2 (b: a micro-batch's samples).
+        seen: Sum of their b.
+        batches: How many micro-batches were measured.
+        ops: The backend's array namespace (`tf`, `jax.numpy`): its `where`
+            and `maximum` are used.
 
-    With several replicas (data parallelism, the setting the paper designed
-    the estimator for) the small batches are the first replica's shares of
-    the micro-batches, and the big one the window summed over all replicas:
-    nothing crosses devices for it (its variables are this machine's).
+    Returns:
+        `(defined, small, gradient_square, trace)`: whether the window gives
+        an estimate, B_small, |G|^2 and tr(Sigma).
     """
+    seen = ops.maximum(seen, 1.0)
+    small = seen / ops.maximum(batches, 1.0)
+    small_square = squares / seen
+    defined = big > small
+    safe_gap = ops.where(defined, big - small, 1.0)
+    gradient_square = (big * window_square - small * small_square) / safe_gap
+    trace = (small_square - window_square) * small * big / safe_gap
+    return defined, small, gradient_square, trace
 
-    reads_micro_batch_gradients = True
 
-    def __init__(self):
-        def variable(name, dtype=tf.float32, shape=()):
-            return _keras.local_variable(tf.zeros(shape, dtype), name)
-
-        # The window's micro-batches so far, one variable (one update per
-        # micro-step): sum b |g|^2, sum b, and how many were measured.
-        self._micro = variable("micro_batch_sums", shape=(3,))
-        self._gradient_square = variable("gradient_square_ema")  # |G|^2
-        self._trace = variable("trace_sigma_ema")  # tr(Sigma)
-        self._micro_batch = variable("micro_batch_size")  # last B_small
-        self._windows = variable("noise_scale_windows", tf.int64)
-
-    def __repr__(self):
-        return f"NoiseScaleEstimator(noise_scale={self.noise_scale!r})"
-
-    # -- the window protocol ----------------------------------------------------
-
-    # Batch sizes are in the unit the window weights by: samples, or under
-    # reduction="auto" with masked losses the items (tokens) averaged over.
-    def on_micro_step(self, step):
-        items = step.samples if step.items is None else step.items
-        if not step.weighs_items:
-            # A micro-batch weighted by 0 says nothing (where it weighs its
-            # items, it counted none: nothing to select).
-            items = tf.where(step.measured, items, tf.zeros_like(items))
-        self.add_micro_batch(step.mean_squared_norm, items)
-
-    def on_apply(self, update):
-        self.add_window(update.mean_squared_norm, samples=update.window["window_items"])
-
-    def on_reset(self):
-        self._micro.assign(tf.zeros((3,)))
-
-    def restart(self):
-        """Forgets every estimate (a new `fit` of a new callback)."""
-        for variable in (self._gradient_square, self._trace, self._micro_batch):
-            variable.assign(tf.zeros_like(variable))
-        self._windows.assign(0)
-        self.on_reset()
-
-    # -- the estimators ----------------------------------------------------------
-
-    def add_micro_batch(self, square, samples):
-        """Adds a (small) batch of the window: its squared gradient norm and size."""
-        samples = tf.cast(samples, tf.float32)
-        self._micro.assign_add(tf.stack([samples * square, samples,
-                                         tf.cast(samples > 0, tf.float32)]))
-
-    def add_window(self, window_square, samples):
-        """Adds one window's estimates, from the batches added since the last.
-
-        Args:
-            window_square: Squared norm of the window's (normalised) gradient.
-            samples: Samples the window held (B_big), int64.
-        """
-        big = tf.cast(samples, tf.float32)
-        squares, seen, batches = tf.unstack(self._micro.read_value())
-        seen = tf.maximum(seen, 1.0)
-        small = seen / tf.maximum(batches, 1.0)
-        small_square = squares / seen
-        # Branch-free (no nested function call in the update): a window of
-        # one micro-batch (B_small = B_big) leaves every average as it was.
-        defined = big > small
-        safe_gap = tf.where(defined, big - small, 1.0)
-        gradient_square = (big * window_square - small * small_square) / safe_gap
-        trace = (small_square - window_square) * small * big / safe_gap
-        first = tf.equal(self._windows, 0)
-        for ema, value in ((self._gradient_square, gradient_square), (self._trace, trace)):
-            moved = tf.where(first, value, SMOOTHING * ema + (1.0 - SMOOTHING) * value)
-            ema.assign(tf.where(defined, moved, ema))
-        self._micro_batch.assign(tf.where(defined, small, self._micro_batch))
-        self._windows.assign_add(tf.cast(defined, tf.int64))
-        self.on_reset()
-
-    def current(self):
-        """B_simple now as a float32 tensor, NaN while it is not defined."""
-        defined = tf.logical_and(self._windows > 0, self._gradient_square > 0.0)
-        return tf.where(defined, self._trace / self._gradient_square, float("nan"))
-
-    # -- on the host ----------------------------------------------------------
-
-    @property
-    def noise_scale(self):
-        """B_simple, or `None` until a window with two micro-batches gave one."""
-        value = float(self.current().numpy())
-        return None if value != value else value  # NaN: not defined yet
-
-    @property
-    def micro_batch_size(self):
-        return float(self._micro_batch.numpy()) or None
-
-    def suggested_accumulation_steps(self):
-        """`accumulation_steps` whose effective batch is closest to B_simple.
-
-        The dashboard's rule (`tb_plugin.metadata`), so both say the same.
-        """
-        return metadata.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)
+def smoothed(average, value, first, ops):
+    """The moving average moved by `value` (`value` itself at the first window)."""
+    return ops.where(first, value, SMOOTHING * average + (1.0 - SMOOTHING) * value)

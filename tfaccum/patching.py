@@ -4,16 +4,12 @@ The hook changes no class: it sets instance attributes (the model's
 `train_step`, the optimizer's `apply` while a step traces, ...) and, when it
 is done, restores exactly what the instance held before: a user's own
 instance attribute comes back, an absent one is deleted again.
-`ModelInstallation` holds what one hook set on its model, and the two train
-functions (the accumulating one, traced once, and the plain one it puts back).
+A backend's installation (TensorFlow's: `backend.tensorflow.installation`)
+holds what one hook set on its model, with the train functions it swaps.
 """
 
 import contextlib
 import threading
-
-import tensorflow as tf
-
-from tfaccum import _keras
 
 _ABSENT = object()
 
@@ -89,98 +85,9 @@ class SharedPatches:
                         patch.restore()
 
 
-_HOOK_ATTRIBUTE = "_tfaccum_hook"
+HOOK_ATTRIBUTE = "_tfaccum_hook"
 
 
 def installed_on(model):
-    """The hook installed on `model` (its `ModelInstallation`'s owner), or `None`."""
-    return model.__dict__.get(_HOOK_ATTRIBUTE)
-
-
-class ModelInstallation:
-    """What a hook sets on its model while installed, and how it is undone.
-
-    It patches the model's `train_step` with `train_step` and marks the model
-    as `owner`'s (`installed_on`). `install()` applies the patches and makes
-    the accumulating train function the model's (traced at the first
-    install, reused while the model compiles to the same thing);
-    `uninstall()` restores the patches and the plain train function the
-    model had, if it still compiles to it. Whoever scopes the hook to a
-    `fit` holds patches of its own here (`hold`) and says whether that
-    `fit`'s loop runs (`loop_running`).
-
-    Args:
-        model: The compiled Keras model.
-        train_step: The accumulating `train_step(data)`.
-        owner: The hook.
-    """
-
-    def __init__(self, model, train_step, owner):
-        self.model = model
-        self.train_step_patch = InstancePatch(model, "train_step", train_step)
-        self.patches = [self.train_step_patch, InstancePatch(model, _HOOK_ATTRIBUTE, owner)]
-        self.installed = False
-        # Whether a `fit` that owns the hook is in its training loop: `None`
-        # for a hook installed by hand (any running `fit` counts).
-        self.loop_running = None
-        self._api = _keras.api_for(model)
-        self._train_function = None  # the accumulating one, once traced
-        self._compiled_for = None
-        self._plain_function = None
-        self._plain_state = None
-
-    def original_train_step(self):
-        """The model's own `train_step` (Keras' default, or an override)."""
-        return self.train_step_patch.original()
-
-    def compiled_state(self):
-        """What a compiled train function depends on, besides the hook."""
-        model = self.model
-        with tf.init_scope():  # also while a step traces (a host read)
-            return (
-                model.optimizer,
-                _keras.compile_config(model),
-                self._api.steps_per_execution(model),
-                model.jit_compile,
-                model.run_eagerly,
-                tuple(id(v) for v in model.trainable_variables),
-            )
-
-    def hold(self, patch):
-        """Holds one more patch while installed (applied now if installed)."""
-        self.patches.append(patch)
-        if self.installed:
-            patch.apply()
-        return patch
-
-    def install(self):
-        model = self.model
-        self._plain_function = model.train_function
-        self._plain_state = self.compiled_state()
-        for patch in self.patches:
-            patch.apply()
-        if self._train_function is None:
-            model.make_train_function(force=True)
-            self._train_function = model.train_function
-            self._compiled_for = self.compiled_state()
-        else:
-            model.train_function = self._train_function
-        self.installed = True
-
-    def can_reinstall(self):
-        """Whether the traced train function still fits the model."""
-        if self.installed or self._compiled_for is None or installed_on(self.model):
-            return False
-        current = self.compiled_state()
-        return all(a is b or a == b for a, b in zip(current, self._compiled_for))
-
-    def uninstall(self):
-        for patch in reversed(self.patches):
-            patch.restore()
-        model = self.model
-        if self.compiled_state() == self._plain_state:
-            model.train_function = self._plain_function
-        else:
-            model.train_function = None  # the next `fit` makes a plain one
-        self._plain_function = None
-        self.installed = False
+    """The hook installed on `model` (its installation's owner), or `None`."""
+    return model.__dict__.get(HOOK_ATTRIBUTE)

@@ -6,7 +6,7 @@ divided by `denominator()`. Everything else (replicas, loss scaling, the
 outputs that count differently) is the window's business, not the reduction's.
 """
 
-import tensorflow as tf
+from keras import ops
 
 from tfaccum import _keras
 
@@ -15,7 +15,8 @@ class Reduction:
     """Base class of a window's reduction. Subclass it for a weighting of your own.
 
     Override `weight()` and `denominator()`; both run inside the compiled
-    train step, on tensors. With several replicas a replica's share of a
+    train step, on tensors (write them with `keras.ops` or operators: they
+    then serve every backend). With several replicas a replica's share of a
     micro-batch is weighted like a micro-batch (its own samples and items),
     and `denominator()` receives the window's counts over all replicas.
 
@@ -117,14 +118,14 @@ class Auto(Reduction):
     weighs_items = True
 
     def weight(self, samples, items, open_window):
-        return tf.where(items > 0, items,
-                        tf.where(open_window["window_items"] > 0, tf.zeros_like(samples), samples))
+        return ops.where(items > 0, items,
+                         ops.where(open_window["window_items"] > 0, ops.zeros_like(samples), samples))
 
     def denominator(self, window):
         return counted_or_samples(window)
 
     def keeps(self, local, window):
-        return tf.logical_or(local["window_items"] > 0, window["window_items"] <= 0)
+        return ops.logical_or(local["window_items"] > 0, window["window_items"] <= 0)
 
 
 class Samples(Reduction):
@@ -174,7 +175,7 @@ BY_NAME = {cls.name: cls for cls in _BUILT_IN}
 
 def counted_or_samples(window):
     """The window's items, or its samples where it counted no item."""
-    return tf.where(window["window_items"] > 0, window["window_items"], window["window_samples"])
+    return ops.where(window["window_items"] > 0, window["window_items"], window["window_samples"])
 
 
 def get(reduction):

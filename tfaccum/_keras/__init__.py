@@ -2,10 +2,12 @@
 
 The package re-exports, for `_keras.name`, what its modules hold: `api`
 (`api_for(model)`: which Keras, and whether its backend is served), `keras3`
-and `tf_keras` (the `Keras3` and `TfKeras` objects: every difference between
-the two, as methods), `models` (what both read alike of a model, its
-optimizers and its `fit`), `losses`, `distribution`, `batch_norm`,
-`multi_worker` and `window_loss` (gradient caching's internals).
+(the `Keras3` object: every way Keras 3 differs from tf_keras, as methods),
+`models` (what both read alike of a model, its optimizers and its `fit`) and
+`window_loss` (gradient caching's view of a model). None of them imports
+TensorFlow: what only TensorFlow's side needs (tf_keras' `TfKeras`, losses,
+distribution, batch normalization, multi-worker) is in
+`tfaccum.backend.tensorflow._keras`, which re-exports this package too.
 
 tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
 (`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one
@@ -14,7 +16,7 @@ asks the version itself. `tf_keras` is never imported here; a model can
 only be a `tf_keras` model once its user has imported it.
 
 Every private Keras or TensorFlow attribute tfaccum uses is read or written
-here, and nowhere else; each says which versions it was checked on. "Checked"
+here or in a backend's `_keras` package, and nowhere else; each says which versions it was checked on. "Checked"
 means read in the sources and exercised by the test suite, which CI runs on
 the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21) and, as a
 smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.7.0,
@@ -53,37 +55,42 @@ from tfaccum._keras.models import (  # noqa: F401
 from tfaccum._keras.keras3 import (  # noqa: F401
     Keras3,
 )
-from tfaccum._keras.tf_keras import (  # noqa: F401
-    TfKeras,
-)
-from tfaccum._keras.losses import (  # noqa: F401
-    as_in_total_loss,
-    compiled_losses_of,
-    keras_mask,
-    loss_divisor,
-    may_hold_several_losses,
-    wrapped_losses_patch,
-)
-from tfaccum._keras.distribution import (  # noqa: F401
-    all_reduce_sum,
-    for_each_replica,
-    keep_as_function_call,
-    local_variable,
-    writes_summaries,
-)
-from tfaccum._keras.batch_norm import (  # noqa: F401
-    batch_norm_moments,
-    batch_norm_reduction_axes,
-    batch_norm_renorm,
-    tf_keras_batch_norm_moments,
-    tf_keras_training_value,
-)
-from tfaccum._keras.multi_worker import (  # noqa: F401
-    keras3_multi_worker_patch,
-)
 from tfaccum._keras.window_loss import (  # noqa: F401
     computes_loss_as_keras,
     metrics_result,
     scaled_loss,
     training_forward,
 )
+
+__all__ = [
+    "api_for",
+    "api_for_model_argument",
+    "check_backend",
+    "SUPPORTED_BACKENDS",
+    "Callback",
+    "compile_config",
+    "compiled_with_optimizer",
+    "embedding_tables",
+    "fit_callback_list",
+    "fit_is_running",
+    "flatten_layers",
+    "forget_traced_functions",
+    "is_model",
+    "is_tf_keras_model",
+    "iterations",
+    "metrics_given",
+    "optimizer_variables",
+    "orbax_checkpoint_class",
+    "other_optimizers",
+    "print_msg",
+    "regularized_variables",
+    "scales_loss_dynamically",
+    "stateful_variables",
+    "trains_with_keras_step",
+    "unpack_x_y_sample_weight",
+    "Keras3",
+    "computes_loss_as_keras",
+    "metrics_result",
+    "scaled_loss",
+    "training_forward",
+]

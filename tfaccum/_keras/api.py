@@ -12,7 +12,6 @@ import keras
 from tfaccum._keras.keras3 import Keras3
 from tfaccum._keras.models import is_model
 from tfaccum._keras.models import is_tf_keras_model
-from tfaccum._keras.tf_keras import TfKeras
 
 
 SUPPORTED_BACKENDS = ("tensorflow",)
@@ -50,4 +49,9 @@ def api_for_model_argument(value, argument):
 
 def api_for(model):
     """`Keras3` or `TfKeras`: what `model` was built with."""
-    return TfKeras if is_tf_keras_model(model) else Keras3
+    if is_tf_keras_model(model):
+        # tf_keras runs on TensorFlow only: its side lives with that backend.
+        from tfaccum.backend.tensorflow._keras.tf_keras import TfKeras
+
+        return TfKeras
+    return Keras3

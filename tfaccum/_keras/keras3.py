@@ -7,7 +7,6 @@ difference; nothing outside the two asks which Keras a model belongs to.
 import contextlib
 
 import keras
-import tensorflow as tf
 
 from tfaccum._keras.models import compiled_with_optimizer
 from tfaccum._keras.models import flatten_layers
@@ -100,9 +99,9 @@ class Keras3:
         A float32 tensor read when called, or `None` when they are not scaled.
         """
         if scales_loss_dynamically(optimizer):
-            return tf.cast(optimizer.dynamic_scale.value, tf.float32)
+            return keras.ops.cast(optimizer.dynamic_scale.value, "float32")
         factor = getattr(optimizer, "loss_scale_factor", None)
-        return None if factor is None else tf.constant(factor, tf.float32)
+        return None if factor is None else keras.ops.convert_to_tensor(factor, "float32")
 
     @staticmethod
     def count_skipped_update(optimizer):
@@ -184,14 +183,13 @@ class Keras3:
         """`[state]` of Keras' global seed generator, made now if it is not yet.
 
         `keras.random.*` called without a seed draws from it (and moves it):
-        set back, a forward pass draws the same numbers again. Made eagerly
-        here so that no step makes it while it traces. Private:
+        set back, a forward pass draws the same numbers again. Call it
+        eagerly, so that no step makes it while it traces. Private:
         `keras.src.random.seed_generator.global_seed_generator` (Keras 3.7-3.15).
         """
         from keras.src.random.seed_generator import global_seed_generator
 
-        with tf.init_scope():
-            return [global_seed_generator().state]
+        return [global_seed_generator().state]
 
     @staticmethod
     def random_layers(model):

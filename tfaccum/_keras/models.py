@@ -4,12 +4,10 @@ Where Keras 3 and tf_keras differ, `keras3.Keras3` and `tf_keras.TfKeras`
 answer; what is here asks no version.
 """
 
-import contextlib
 import inspect
 import sys
 
 import keras
-import tensorflow as tf
 
 
 class Callback(keras.callbacks.Callback):
@@ -250,9 +248,18 @@ def metrics_given(container):
     Keras 3.7-3.15 and tf_keras 2.16-2.21)."""
     if container is None:
         return False
-    return any(metric is not None
-               for name in ("_user_metrics", "_user_weighted_metrics")
-               for metric in tf.nest.flatten(getattr(container, name, None)))
+    return any(_holds_something(getattr(container, name, None))
+               for name in ("_user_metrics", "_user_weighted_metrics"))
+
+
+def _holds_something(given):
+    """Whether a nest of lists, tuples and dicts (Keras' tracking wrappers
+    are their subclasses) holds anything but `None`."""
+    if isinstance(given, dict):
+        return any(_holds_something(value) for value in given.values())
+    if isinstance(given, (list, tuple)):
+        return any(_holds_something(value) for value in given)
+    return given is not None
 
 
 def regularized_variables(model):

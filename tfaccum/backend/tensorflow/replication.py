@@ -10,8 +10,9 @@ hook hold no replica branch.
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum.observers import Update, Window
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow.observers import Update
+from tfaccum.counts import Window
 
 
 def variable_options(strategy):
@@ -41,7 +42,7 @@ class OneDevice:
             the optimizer's own method.
         observers: The hook's `WindowObserver`s.
         skip_nonfinite: Whether non-finite micro-batches are left out.
-        source: Where the window's gradients come from (`tfaccum.sources`).
+        source: Where the window's gradients come from (`tfaccum.backend.tensorflow.sources`).
     """
 
     replicas = 1

@@ -8,6 +8,7 @@ the buffer can fill and every `write_interval` seconds. The writer is created
 at the first write.
 """
 
+import os
 import time
 import warnings
 
@@ -16,9 +17,9 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tb_plugin import metadata
-from tfaccum import _keras
-from tfaccum.gradients import unscaled
-from tfaccum.observers import WindowObserver
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow.gradients import unscaled
+from tfaccum.backend.tensorflow.observers import WindowObserver
 
 # Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
 _SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
@@ -316,3 +317,18 @@ def _write_scalar(tag, value, step, summary_metadata):
 def _variable_name(variable, prefix):
     name = getattr(variable, "path", None) or variable.name.split(":")[0]
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def probe_log_dir(log_dir):
+    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
+    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
+    try:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as file:
+            file.write("")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        raise ValueError(
+            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
+            f"{error}. Received: log_dir={log_dir!r}"
+        ) from error

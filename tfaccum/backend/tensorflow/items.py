@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfaccum import _keras
+from tfaccum.backend.tensorflow import _keras
 from tfaccum.patching import InstancePatch
 
 _current = threading.local()  # the `ItemCount` of the step tracing in this thread

@@ -13,10 +13,10 @@ import threading
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum import gradients
-from tfaccum.items import LossCounting
-from tfaccum.items import OnceWarner
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import gradients
+from tfaccum.backend.tensorflow.items import LossCounting
+from tfaccum.backend.tensorflow.items import OnceWarner
 from tfaccum.patching import InstancePatch
 from tfaccum.patching import SharedPatches
 

@@ -3,8 +3,8 @@
 import keras
 from keras import ops
 
-from tfaccum import _keras
-from tfaccum.moments import WindowedMoments
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow.moments import WindowedMoments
 
 
 @keras.saving.register_keras_serializable(package="tfaccum")

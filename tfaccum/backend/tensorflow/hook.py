@@ -13,21 +13,21 @@ optimizer applies it, and the observers see an `Update`.
 import warnings
 
 
-from tfaccum import _keras
+from tfaccum.backend.tensorflow import _keras
 from tfaccum import checks
-from tfaccum.accumulating_step import AccumulatingStep
+from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
-from tfaccum.gradient_cache import CachingStep
-from tfaccum.host_ends import HostEnds
-from tfaccum.moments import window_observers
-from tfaccum.patching import ModelInstallation
+from tfaccum.backend.tensorflow.gradient_cache import CachingStep
+from tfaccum.backend.tensorflow.host_ends import HostEnds
+from tfaccum.backend.tensorflow.installation import ModelInstallation
 from tfaccum.patching import installed_on
-from tfaccum.rollback import StepRollback
-from tfaccum.step import StepError
-from tfaccum.window import WindowState
-from tfaccum.window_loss import window_loss_of
+from tfaccum.backend.tensorflow.rollback import StepRollback
+from tfaccum.backend.tensorflow.step import StepError
+from tfaccum.backend.tensorflow.window import WindowState
+from tfaccum.backend.tensorflow.window_loss import check_window_loss_meets
+from tfaccum.backend.tensorflow.window_loss import window_loss_of
 
 
 @with_counter_properties
@@ -40,7 +40,7 @@ class AccumulationHook:
     `accumulation_steps` micro-batches with the large batch's gradient (the
     same values and type: a sparse one as the window's rows). A model
     compiled with a `tfaccum.WindowLoss` trains by gradient caching
-    (`tfaccum.gradient_cache`). A window that is not full waits for
+    (`tfaccum.backend.tensorflow.gradient_cache`). A window that is not full waits for
     `flush()` or `drop()`; `remove()` restores the plain model exactly.
     Counters are read from the device only when asked for.
 
@@ -117,7 +117,7 @@ class AccumulationHook:
         # any other model's step hands its gradients to the accumulators.
         self.window_loss = window_loss_of(model)
         if self.window_loss is not None:
-            checks.check_window_loss_meets(model, self.window_loss, configuration)
+            check_window_loss_meets(model, self.window_loss, configuration)
             self._step = CachingStep(model, self.state, self.observers)
         else:
             self._step = AccumulatingStep(
@@ -278,39 +278,3 @@ class AccumulationHook:
             The `Window` that was discarded.
         """
         return self._ends.drop()
-
-
-def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                              sparse_gradients="rows", accumulator_dtype="float32"):
-    """Installs gradient accumulation on a compiled model and returns the hook.
-
-    See `AccumulationHook` for the arguments; `hook.remove()` undoes it. The
-    hook stays installed until removed, across any number of `fit` calls.
-    The model's `AccumBatchNormalization` layers pool their windows.
-
-    Example:
-
-    ```python
-    with tfaccum.install_accumulation_hook(model, accumulation_steps=4):
-        model.fit(x, y, batch_size=8)  # updates once every 4 batches
-    ```
-    """
-    _keras.api_for_model_argument(model, "model")
-    return AccumulationHook(
-        model, accumulation_steps=accumulation_steps, reduction=reduction,
-        skip_nonfinite=skip_nonfinite, sparse_gradients=sparse_gradients,
-        accumulator_dtype=accumulator_dtype,
-        observers=window_observers(model, model.distribute_strategy))
-
-
-def remove_accumulation_hook(model):
-    """Removes the accumulation hook from `model`, if one is installed.
-
-    Returns:
-        The removed `AccumulationHook`, or `None` if none was installed.
-    """
-    _keras.api_for_model_argument(model, "model")
-    hook = installed_on(model)
-    if hook is not None:
-        hook.remove()
-    return hook

@@ -9,10 +9,10 @@ sums and the hook's counts.
 
 import tensorflow as tf
 
-from tfaccum import gradients
-from tfaccum import precision
-from tfaccum.counts import Counts
-from tfaccum.replication import variable_options
+from tfaccum.backend.tensorflow import gradients
+from tfaccum.backend.tensorflow import precision
+from tfaccum.backend.tensorflow.counts import Counts
+from tfaccum.backend.tensorflow.replication import variable_options
 
 
 class DenseAccumulator:
@@ -176,7 +176,7 @@ class Accumulators:
     def __init__(self, strategy, *, sparse_rows=True, dtype=None):
         self.strategy = strategy
         self.sparse_rows = sparse_rows
-        self.dtype = dtype
+        self.dtype = None if dtype is None else tf.as_dtype(dtype)
         self.counts = Counts(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
         # Made ahead of the first trace (`create_dense(provisional=True)`),

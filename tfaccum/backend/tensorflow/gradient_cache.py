@@ -25,11 +25,11 @@ import re
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum import replication
-from tfaccum.replication import variable_options
-from tfaccum.step import StepError
-from tfaccum.step import count_samples
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import replication
+from tfaccum.backend.tensorflow.replication import variable_options
+from tfaccum.backend.tensorflow.step import StepError
+from tfaccum.backend.tensorflow.step import count_samples
 
 
 class _Buffer:
@@ -403,7 +403,8 @@ class CachedGradients:
         model, api = self.model, _keras.api_for(self.model)
         self.seed_states = api.seed_states(model)
         self.layer_seeds = len(self.seed_states)
-        self.seed_states += api.global_seed_states()
+        with tf.init_scope():  # made eagerly, not by the step that traces
+            self.seed_states += api.global_seed_states()
 
     def make_buffers(self, parts):
         if self.buffers is None:  # (another replica's thread may have made them)

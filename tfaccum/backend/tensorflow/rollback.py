@@ -22,7 +22,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfaccum import _keras
+from tfaccum.backend.tensorflow import _keras
 
 
 class StepRollback:

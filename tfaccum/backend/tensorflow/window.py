@@ -12,12 +12,12 @@ import warnings
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum import gradients
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import gradients
 from tfaccum import reduction as _reduction
-from tfaccum.accumulators import Accumulators
+from tfaccum.backend.tensorflow.accumulators import Accumulators
 from tfaccum.counts import WINDOW_COUNTS
-from tfaccum.observers import MicroStep
+from tfaccum.backend.tensorflow.observers import MicroStep
 
 
 class OutputChannels:

@@ -7,15 +7,12 @@ inside the compiled train step; `on_install` and `on_uninstall` run on the
 host.
 """
 
-import collections
 import dataclasses
 import functools
 
 import tensorflow as tf
-from tfaccum.gradients import squared_norm
 
-Window = collections.namedtuple("Window", ["micro_batches", "samples"])
-Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
+from tfaccum.backend.tensorflow.gradients import squared_norm
 
 
 class WindowObserver:

@@ -7,7 +7,7 @@ Each runs a graph of the replication's (`flush_graph`, `drop_graph`,
 
 import tensorflow as tf
 
-from tfaccum.observers import Window
+from tfaccum.counts import Window
 
 # On one device, a hook's first flushes and drops run eagerly (see `HostEnds.run`).
 EAGER_HOST_ENDS = 2

@@ -12,8 +12,8 @@ import threading
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum.observers import WindowObserver
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow.observers import WindowObserver
 
 
 class PooledMoments:
@@ -176,7 +176,7 @@ class WindowedMoments:
     """What the hook calls on a normalisation layer that pools its window's moments.
 
     Shared by `AccumBatchNormalization` (Keras 3) and its Keras 2 twin
-    (`tfaccum.keras2`). The layer stages each forward pass's moments in the
+    (`tfaccum.backend.tensorflow.keras2`). The layer stages each forward pass's moments in the
     window (`PooledMoments`) and leaves its moving statistics to the end of it.
     """
 

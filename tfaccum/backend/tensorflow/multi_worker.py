@@ -21,7 +21,7 @@ removed once Keras fixes those bugs.
 
 import keras
 
-from tfaccum import _keras
+from tfaccum.backend.tensorflow import _keras
 
 # Keras versions whose TensorFlow trainer has the two bugs, as read.
 KNOWN_VERSIONS = ((3, 7), (3, 15))

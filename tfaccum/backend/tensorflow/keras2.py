@@ -10,7 +10,7 @@ Example:
 
 ```python
 import tf_keras
-from tfaccum.keras2 import AccumBatchNormalization
+from tfaccum.backend.tensorflow.keras2 import AccumBatchNormalization
 
 model = tf_keras.Sequential([
     tf_keras.Input((32, 32, 3)),
@@ -24,9 +24,9 @@ model = tf_keras.Sequential([
 import tensorflow as tf
 import tf_keras
 
-from tfaccum import _keras
-from tfaccum.moments import WindowedMoments
-from tfaccum.moments import saved_as
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow.moments import WindowedMoments
+from tfaccum.backend.tensorflow.moments import saved_as
 
 
 @tf_keras.saving.register_keras_serializable(package="tfaccum")

@@ -9,11 +9,11 @@ window, whose source is the accumulators (`sources.AccumulatedGradients`).
 
 import tensorflow as tf
 
-from tfaccum import _keras
-from tfaccum import gradients
-from tfaccum import replication
-from tfaccum.sources import AccumulatedGradients
-from tfaccum.step import StepTracer
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import gradients
+from tfaccum.backend.tensorflow import replication
+from tfaccum.backend.tensorflow.sources import AccumulatedGradients
+from tfaccum.backend.tensorflow.step import StepTracer
 
 
 class AccumulatingStep:

@@ -4,7 +4,7 @@ A loss such as a two-tower model's in-batch softmax scores each query against
 every document of its batch. Accumulated micro-batch by micro-batch it would
 see only its micro-batch's negatives; compiled as a `WindowLoss`, the
 accumulation hook computes it over the whole window instead (gradient
-caching, `tfaccum.gradient_cache`), so a window of micro-batches trains
+caching, `tfaccum.backend.tensorflow.gradient_cache`), so a window of micro-batches trains
 exactly as the large batch. Without the hook a `WindowLoss` is an ordinary
 Keras loss over its batch.
 
@@ -16,6 +16,9 @@ any loss.
 import math
 
 import tensorflow as tf
+
+from tfaccum.backend.tensorflow import _keras
+from tfaccum.reduction import Auto
 
 
 class WindowLoss:
@@ -223,3 +226,77 @@ def window_loss_of(model):
     losses = getattr(model, "loss", None)
     found = [loss for loss in tf.nest.flatten(losses) if isinstance(loss, WindowLoss)]
     return found[0] if found else None
+
+
+def check_window_loss_meets(model, loss, configuration):
+    """Refuses, by name, what a window-wide loss (gradient caching) cannot meet yet.
+
+    `configuration`: the hook's `Configuration` (its reduction, accumulators,
+    observers).
+
+    Everything accepted is exact: the window's update is the large batch's.
+    """
+    def refuse(what, why, fix):
+        raise ValueError(
+            f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
+            f"which cannot meet {what}: {why}. {fix}")
+
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and len(strategy.extended.worker_devices) < replicas:
+        refuse(f"a strategy across several machines ({type(strategy).__name__})",
+               "the window's outputs are gathered across one machine's replicas only",
+               "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
+    api = _keras.api_for(model)
+    if replicas > 1 and not api.gathers_across_replicas:
+        refuse(f"a tf_keras model under a strategy with {replicas} replicas",
+               "gathering the window's outputs across replicas is built for Keras 3 only",
+               "Use Keras 3, or one device.")
+    if not _keras.trains_with_keras_step(model):
+        refuse("a `train_step` of its own",
+               "the window's loss is computed by tfaccum's step, which runs Keras' "
+               "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
+    if model.jit_compile:
+        refuse("jit_compile=True (which Keras 3's default, \"auto\", picks on a GPU)",
+               "the window's buffers grow with each micro-batch, which XLA's fixed shapes "
+               "do not allow", "Compile with jit_compile=False.")
+    if replicas > 1 and _keras.may_hold_several_losses(model):
+        refuse(f"several compiled losses under a strategy with {replicas} replicas",
+               "the window's loss is taken whole and Keras' per-replica share undone for "
+               "it as one averaged loss", "Compile one loss, or train on one device.")
+    if not _keras.computes_loss_as_keras(model):
+        refuse("a `compute_loss` of its own", "the window's loss is computed from the "
+               "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
+    if _keras.api_for(model).has_compiled_metrics(model):
+        refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
+               "yet (the loss is reported, as the large batch's)",
+               "Compile without metrics and evaluate with `model.evaluate()` or a "
+               "callback.")
+    norms = [layer.name for layer in _keras.flatten_layers(model)
+             if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__)]
+    if norms:
+        refuse(f"batch normalization (layers {norms})",
+               "each micro-batch's forward pass would run twice, with its own batch "
+               "statistics", "Use LayerNormalization in the towers.")
+    random = _keras.api_for(model).random_layers(model)
+    if random:
+        refuse(f"tf_keras layers that draw random numbers ({random})",
+               "their masks cannot be drawn again for the second forward pass",
+               "Use Keras 3 (its seed generators replay), or remove them.")
+    if not api.caches_under_loss_scaling and _keras.scales_loss_dynamically(model.optimizer):
+        refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
+               "Use Keras 3, or float32.")
+    if configuration.reduction != Auto():
+        refuse(f"reduction={configuration.reduction!r}", "the loss itself averages over the "
+               "window, as over the large batch", "Leave reduction=\"auto\".")
+    if configuration.skip_nonfinite:
+        refuse("skip_nonfinite=True", "a non-finite window cannot be told apart by "
+               "micro-batch; under a LossScaleOptimizer the optimizer itself skips a "
+               "non-finite update, as for the large batch", "Leave skip_nonfinite=None.")
+    if configuration.accumulator_dtype != "float32":
+        refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}", "not measured yet",
+               "Use accumulator_dtype=\"float32\".")
+    if any(observer.reads_micro_batch_gradients for observer in configuration.observers):
+        refuse("noise_scale=True", "the noise scale compares micro-batch gradients with "
+               "the window's, and a window-wide loss has no gradient of its own per "
+               "micro-batch", "Pass noise_scale=None (off for window-wide losses).")

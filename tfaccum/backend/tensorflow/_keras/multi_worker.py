@@ -1,4 +1,4 @@
-"""Keras 3's TensorFlow trainer across several workers (see `tfaccum.multi_worker`)."""
+"""Keras 3's TensorFlow trainer across several workers (see `tfaccum.backend.tensorflow.multi_worker`)."""
 
 import tensorflow as tf
 
@@ -6,7 +6,7 @@ import tensorflow as tf
 class _Keras3MultiWorkerPatch:
     """Replaces two functions of Keras 3's TensorFlow trainer across workers.
 
-    See `tfaccum.multi_worker`. Private: `keras.src.backend.tensorflow.trainer`'s
+    See `tfaccum.backend.tensorflow.multi_worker`. Private: `keras.src.backend.tensorflow.trainer`'s
     `reduce_per_replica`, `_collective_all_reduce_multi_worker` and
     `TensorFlowTrainer._maybe_symbolic_build`, `Model._distribute_strategy`
     and `Model._symbolic_build` (Keras 3.7-3.15), replaced process-wide while

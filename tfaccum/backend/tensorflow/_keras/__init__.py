@@ -1,0 +1,61 @@
+"""Keras' and TensorFlow's private parts that only the TensorFlow backend needs.
+
+`_keras.name` here is everything `tfaccum._keras` holds and, beside it,
+`tf_keras` (the `TfKeras` object: every way tf_keras differs from Keras 3),
+`losses` (compiled losses, masks and their divisors), `distribution`
+(`tf.distribute` replicas), `batch_norm` and `multi_worker`. The same rule
+holds as in `tfaccum._keras`: each private name read says which versions it
+was checked on.
+"""
+
+from tfaccum._keras import *  # noqa: F401,F403
+from tfaccum._keras import __all__ as _common
+
+from tfaccum.backend.tensorflow._keras.tf_keras import (  # noqa: F401
+    TfKeras,
+)
+from tfaccum.backend.tensorflow._keras.losses import (  # noqa: F401
+    as_in_total_loss,
+    compiled_losses_of,
+    keras_mask,
+    loss_divisor,
+    may_hold_several_losses,
+    wrapped_losses_patch,
+)
+from tfaccum.backend.tensorflow._keras.distribution import (  # noqa: F401
+    all_reduce_sum,
+    for_each_replica,
+    keep_as_function_call,
+    local_variable,
+    writes_summaries,
+)
+from tfaccum.backend.tensorflow._keras.batch_norm import (  # noqa: F401
+    batch_norm_moments,
+    batch_norm_reduction_axes,
+    batch_norm_renorm,
+    tf_keras_batch_norm_moments,
+    tf_keras_training_value,
+)
+from tfaccum.backend.tensorflow._keras.multi_worker import (  # noqa: F401
+    keras3_multi_worker_patch,
+)
+__all__ = _common + [
+    "TfKeras",
+    "as_in_total_loss",
+    "compiled_losses_of",
+    "keras_mask",
+    "loss_divisor",
+    "may_hold_several_losses",
+    "wrapped_losses_patch",
+    "all_reduce_sum",
+    "for_each_replica",
+    "keep_as_function_call",
+    "local_variable",
+    "writes_summaries",
+    "batch_norm_moments",
+    "batch_norm_reduction_axes",
+    "batch_norm_renorm",
+    "tf_keras_batch_norm_moments",
+    "tf_keras_training_value",
+    "keras3_multi_worker_patch",
+]
