@@ -28,9 +28,14 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_window.py tests/test_features_meet.py tests/test_items.py \
 	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py
 
+# Keras 3 on JAX: its own file, and the files written for both backends.
+JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py \
+	tests/test_optimizers.py
+
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest $(XDIST) -m "not keras3 and not once" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest $(XDIST) $(JAX_TESTS) $(PYTEST_ARGS)
 	$(MAKE) test-oldest
 
 # A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.

@@ -5,14 +5,24 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# Two logical CPUs, for tests with a two-replica MirroredStrategy. Must happen
-# before TensorFlow initialises its devices.
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * 2,
-)
+if os.environ.get("KERAS_BACKEND") == "jax":
+    # Two CPU devices, for keras.distribution's data parallelism. Must be
+    # set before JAX initialises its backend. TensorFlow is not imported.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+else:
+    import tensorflow as tf
+
+    # Two logical CPUs, for tests with a two-replica MirroredStrategy. Must
+    # happen before TensorFlow initialises its devices.
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2,
+    )
+
+# The JAX pass runs the files written for both backends (`make test` names
+# them) and test_jax.py; the TensorFlow passes leave test_jax.py out.
+collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["test_jax.py"]
 
 from reference import KERAS  # noqa: E402
 from reference import keras  # noqa: E402

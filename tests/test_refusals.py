@@ -9,8 +9,6 @@ an optimizer (a GAN's two, or one made lazily by the step).
 """
 
 import dataclasses
-import os
-import subprocess
 import sys
 import warnings
 
@@ -266,34 +264,7 @@ def test_after_a_refusal_a_plain_fit_equals_a_model_never_accumulated(name):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
 
 
-# -- another Keras backend ---------------------------------------------------------------
-
-_ON_JAX = """
-import keras, tfaccum
-assert keras.backend.backend() == "jax"
-for make in (lambda: tfaccum.GradientAccumulationCallback(accumulation_steps=2),
-             lambda: tfaccum.install_accumulation_hook(model, accumulation_steps=2)):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile("sgd", "mse")
-    try:
-        make()
-    except ValueError as error:
-        print("refused:", error)
-"""
-
-
-@pytest.mark.once
-def test_the_jax_backend_is_refused_by_name_when_the_callback_or_hook_is_made():
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_USE_LEGACY_KERAS", None)
-    out = subprocess.run([sys.executable, "-c", _ON_JAX], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    refusals = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
-    assert len(refusals) == 2, out.stdout
-    for line in refusals:
-        assert "Keras is running on its 'jax' backend" in line
-        assert "keras.backend.backend()='jax'" in line and "KERAS_BACKEND=tensorflow" in line
+# -- another Keras backend (JAX is served: tests/test_jax.py) ----------------------------
 
 
 @pytest.mark.keras3

@@ -1,0 +1,144 @@
+"""Keras 3 on JAX: peak memory and epoch time of accumulation, against plain training.
+
+The model of `memory.py`: Dense 3072-3072-3072-10 (19M weights, 72 MiB in
+float32), Adam, micro-batches of 16, `accumulation_steps=4`, 512 samples.
+Each variant trains in a fresh process with `KERAS_BACKEND=jax`, `--repeats`
+rounds in a new random order each; reported per variant, as the median and
+range over rounds:
+
+- extra peak memory: the process's peak resident set size (`ru_maxrss`, what
+  `top` shows) minus plain micro-batch training's in the same round, in
+  parameter bytes (the floor for accumulation: 1.0, one float32 copy);
+- epoch time: the mean of epochs 2 to `--epochs` (the first compiles),
+  divided by plain training's in the same round.
+
+    python benchmarks/jax_backend.py [--repeats 3] [--epochs 3] [--width 3072]
+
+Variants:
+  plain      micro-batches of 16, no accumulation (the baseline)
+  keras      Keras' Adam(gradient_accumulation_steps=4)
+  tfaccum    GradientAccumulationCallback(accumulation_steps=4), defaults
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("plain", "keras", "tfaccum")
+
+
+def run_variant(variant, args):
+    """Trains `variant` in this process; prints its peak RSS, epoch times and weights' bytes."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras
+    import numpy as np
+
+    import tfaccum
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.samples, args.width)).astype("float32")
+    y = rng.integers(0, 10, args.samples)
+    inputs = keras.Input((args.width,))
+    hidden = keras.layers.Dense(args.width, activation="relu")(inputs)
+    hidden = keras.layers.Dense(args.width, activation="relu")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+    steps = args.steps if variant == "keras" else None
+    model.compile(optimizer=keras.optimizers.Adam(1e-4, gradient_accumulation_steps=steps),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+
+    class EpochTimes(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.times.append(time.perf_counter() - self._start)
+
+    times = EpochTimes()
+    callbacks = [times]
+    if variant == "tfaccum":
+        callbacks.insert(0, tfaccum.GradientAccumulationCallback(accumulation_steps=args.steps))
+    model.fit(x, y, batch_size=args.micro, epochs=args.epochs, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"rss": rss, "epoch": statistics.mean(times.times[1:]),
+                      "weights": weights, "tensorflow": "tensorflow" in sys.modules}))
+
+
+def measure(variant, args):
+    command = [sys.executable, __file__, "--variant-only", variant, "--width", str(args.width),
+               "--micro", str(args.micro), "--steps", str(args.steps),
+               "--samples", str(args.samples), "--epochs", str(args.epochs)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def spread(values):
+    values = sorted(values)
+    return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--micro", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--variant-only", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant_only:
+        run_variant(args.variant_only, args)
+        return
+    rng = random.Random(0)
+    memory = {v: [] for v in VARIANTS[1:]}
+    speed = {v: [] for v in VARIANTS[1:]}
+    seconds = {v: [] for v in VARIANTS}
+    weights, tensorflow = None, set()
+    for _ in range(args.repeats):
+        order = list(VARIANTS)
+        rng.shuffle(order)
+        results = {variant: measure(variant, args) for variant in order}
+        weights = results["plain"]["weights"]
+        for variant, result in results.items():
+            seconds[variant].append(result["epoch"])
+            if result["tensorflow"]:
+                tensorflow.add(variant)
+        for variant in VARIANTS[1:]:
+            memory[variant].append((results[variant]["rss"] - results["plain"]["rss"]) / weights)
+            speed[variant].append(results[variant]["epoch"] / results["plain"]["epoch"])
+    print(f"Keras {_version('keras')} on JAX {_version('jax')} (CPU): Dense {args.width}x3 "
+          f"({weights / 4 / 1e6:.1f}M weights), Adam, micro-batch {args.micro}, "
+          f"accumulation_steps={args.steps}, {args.samples} samples; median (min-max) of "
+          f"{args.repeats} rounds of fresh processes")
+    print("| variant | extra peak RSS over plain (parameter bytes) | epoch time / plain's "
+          "| epoch (s) |")
+    print("|---|---:|---:|---:|")
+    print(f"| plain | - | 1 | {spread(seconds['plain'])} |")
+    for variant in VARIANTS[1:]:
+        print(f"| {variant} | {spread(memory[variant])} | {spread(speed[variant])} "
+              f"| {spread(seconds[variant])} |")
+    if tensorflow:
+        print(f"TensorFlow was imported by: {sorted(tensorflow)}")
+
+
+def _version(name):
+    import importlib.metadata
+
+    return importlib.metadata.version(name)
+
+
+if __name__ == "__main__":
+    main()

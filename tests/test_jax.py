@@ -1,0 +1,320 @@
+"""The callback on Keras 3's JAX backend, against plain Keras on JAX at the large batch.
+
+Runs in the suite's JAX pass (`KERAS_BACKEND=jax`, `make test`); conftest.py
+leaves it out of the TensorFlow passes. Every comparison is update for
+update, through the shared oracle (`reference.compare`).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from reference import OPTIMIZERS
+from reference import compare
+from reference import keras
+from reference import make_data
+from reference import make_model
+from reference import max_diff
+from reference import train_large_batches
+from reference import windows
+
+import tfaccum
+
+TOL = 1e-5
+
+
+def model_builder(optimizer="adam", **compile_kwargs):
+    return lambda: make_model(optimizer=optimizer, **compile_kwargs)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_every_update_equals_the_large_batch(optimizer):
+    # 100 samples in micro-batches of 8: the last one holds 4, and each
+    # epoch's last window two micro-batches (flushed).
+    x, y = make_data(n=100)
+    result = compare(model_builder(optimizer), x, y, micro=8, steps=4, epochs=2)
+    assert len(result.ours) == 8
+    assert result.diff < TOL
+    assert result.moved(model_builder(optimizer)) > 1e-2
+
+
+def test_sample_weights_weigh_as_in_the_large_batch():
+    x, y = make_data(n=60)
+    weights = np.random.default_rng(3).uniform(0.0, 2.0, size=60).astype("float32")
+    result = compare(model_builder(), x, y, micro=8, steps=3, sample_weight=weights)
+    assert result.diff < TOL
+    assert result.moved(model_builder()) > 1e-2
+
+
+@pytest.mark.parametrize("leftover", ["flush", "carry", "drop"])
+def test_each_leftover_policy(leftover):
+    x, y = make_data(n=56)  # 7 micro-batches: windows of 3, 3 and a leftover of 1
+    result = compare(model_builder(), x, y, micro=8, steps=3, epochs=2, leftover=leftover)
+    assert result.diff < TOL
+    counters = result.callback.counters
+    assert counters.micro_steps == 14
+    assert counters.optimizer_steps == len(result.updates)
+    # "carry": 14 micro-batches make 4 windows, and 2 left for `fit`'s end.
+    assert counters.flushes == {"flush": 2, "carry": 1, "drop": 0}[leftover]
+    assert counters.dropped_micro_steps == (2 if leftover == "drop" else 0)
+
+
+@pytest.mark.parametrize("reduction", ["samples", "mean", "sum"])
+def test_reductions(reduction):
+    # Equal micro-batches: "mean" is the large batch; "sum" with a summed loss too.
+    x, y = make_data(n=64)
+    loss = keras.losses.MeanSquaredError(reduction="sum") if reduction == "sum" else "mse"
+    build = model_builder("sgd", loss=loss)
+    result = compare(build, x, y, micro=8, steps=4, callback_kwargs={"reduction": reduction})
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-3
+
+
+def test_learning_rate_schedules_and_iterations_count_updates():
+    def build():
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1,
+                                                               decay_rate=0.5)
+        return make_model(optimizer=lambda: keras.optimizers.SGD(schedule))
+
+    x, y = make_data(n=64)
+    result = compare(build, x, y, micro=8, steps=4, epochs=2)
+    assert result.diff < TOL
+    assert int(result.model.optimizer.iterations.numpy()) == 4
+
+
+def test_steps_per_execution():
+    x, y = make_data(n=100)
+    build = model_builder(steps_per_execution=3)
+    result = compare(build, x, y, micro=8, steps=4, epochs=2, build_reference=model_builder())
+    assert result.diff < TOL
+    assert result.callback.counters.micro_steps == 26
+
+
+def test_the_hook_by_hand_with_train_on_batch():
+    x, y = make_data(n=48)
+    model = make_model(optimizer="adam")
+    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
+    assert "backend='jax'" in repr(hook)
+    for start in range(0, 48, 8):
+        model.train_on_batch(x[start:start + 8], y[start:start + 8])
+    assert hook.pending.micro_batches == 2
+    hook.flush()
+    hook.remove()
+    reference = train_large_batches(make_model(optimizer="adam"), x, y, windows(48, 8, 4))
+    assert max_diff(model, reference[-1]) < TOL
+    assert tfaccum.remove_accumulation_hook(model) is None
+
+
+def test_afterwards_the_model_is_plain():
+    x, y = make_data(n=64)
+    model = make_model(optimizer="adam")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[tfaccum.GradientAccumulationCallback(accumulation_steps=4)])
+    plain = make_model(optimizer="adam")
+    plain.set_weights(model.get_weights())
+    plain.optimizer.build(plain.trainable_variables)
+    assert len(plain.optimizer.variables) == len(model.optimizer.variables)
+    for variable, value in zip(plain.optimizer.variables, model.optimizer.variables):
+        variable.assign(np.array(value))  # a copy: `fit` donates the model's arrays
+    for m in (model, plain):
+        m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_diff(model, plain) < 1e-6
+
+
+def never_handed(build, x, y):
+    model = build()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    return model
+
+
+def refused_then_plain(build, x, y, match, **callback_kwargs):
+    model = build()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[
+            tfaccum.GradientAccumulationCallback(accumulation_steps=2, **callback_kwargs)])
+    assert tfaccum.remove_accumulation_hook(model) is None
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference = never_handed(build, x, y)
+    assert max_diff(model, reference) < 1e-7
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"skip_nonfinite": True}, "skip_nonfinite=True"),
+    ({"accumulator_dtype": "bfloat16"}, "accumulator_dtype='bfloat16'"),
+])
+def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match):
+    x, y = make_data(n=32)
+    refused_then_plain(model_builder(), x, y, match, **kwargs)
+
+
+def masked_sequence_model():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True),
+        keras.layers.Dense(3),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def sequences(n=32):
+    rng = np.random.default_rng(5)
+    x = rng.integers(1, 10, size=(n, 6)).astype("int32")
+    x[:, 4:] = 0  # padding
+    return x, rng.integers(0, 3, size=(n, 6)).astype("int32")
+
+
+def test_a_mask_reaching_the_loss_under_auto_is_refused_at_the_first_step_and_undone():
+    x, y = sequences()
+    refused_then_plain(masked_sequence_model, x, y, "masked loss")
+
+
+def test_a_masked_model_under_samples_trains_and_counts_samples():
+    x, y = sequences()
+    model = masked_sequence_model()
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2, reduction="samples")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[callback])
+    assert callback.counters.samples == 32
+    assert callback.counters.optimizer_steps == 2
+
+
+def linear_gradient(w, b, x, y):
+    """The gradient of the mean squared error of `x @ w + b` (Dense(1)), flattened."""
+    residual = x @ w + b - y
+    return np.concatenate([(2.0 / len(x) * x.T @ residual).ravel(),
+                           [2.0 / len(x) * residual.sum()]])
+
+
+def test_the_noise_scale_is_estimated_from_each_window_as_on_tensorflow():
+    from tfaccum.noise_scale import smoothed
+    from tfaccum.noise_scale import window_estimates
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + rng.normal(size=(256, 1))).astype("float32")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # weights stay fixed
+    w, b = (np.asarray(v, "float64") for v in model.get_weights())
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4)
+    assert callback.noise_scale is None
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[callback])
+    gradient_square = trace = 0.0
+    for start in range(0, 256, 32):
+        window = slice(start, start + 32)
+        squares = sum(8 * np.sum(linear_gradient(w, b, x[i:i + 8], y[i:i + 8]) ** 2)
+                      for i in range(start, start + 32, 8))
+        big_square = np.sum(linear_gradient(w, b, x[window], y[window]) ** 2)
+        _, _, square, window_trace = window_estimates(big_square, 32.0, squares, 32.0, 4.0, np)
+        first = start == 0
+        gradient_square = smoothed(gradient_square, square, first, np)
+        trace = smoothed(trace, window_trace, first, np)
+    assert callback.noise_scale == pytest.approx(trace / gradient_square, rel=1e-4)
+    assert callback.suggested_accumulation_steps >= 1
+
+
+def test_the_noise_scale_is_off_for_windows_of_one():
+    x, y = make_data(n=32)
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=1)
+    make_model().fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+    assert callback.estimator is None and callback.noise_scale is None
+
+
+def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from test_plugin import client_for
+    from test_plugin import get_json
+
+    from tb_plugin import metadata
+
+    x, y = make_data()  # 100 samples: 3 windows of 4 micro-batches and 1 left, per epoch
+    callbacks = {}
+    for run, leftover in (("flushing", "flush"), ("dropping", "drop")):
+        callbacks[run] = tfaccum.GradientAccumulationCallback(
+            accumulation_steps=4, leftover=leftover, log_dir=str(tmp_path / run))
+        make_model(optimizer="adam").fit(x, y, batch_size=8, epochs=3, shuffle=False,
+                                         verbose=0, callbacks=[callbacks[run]])
+    client = client_for(tmp_path)
+    runs = get_json(client, "/runs")["runs"]
+    assert runs == [{"run": "dropping", "updates": 9, "variables": 4, "problems": []},
+                    {"run": "flushing", "updates": 12, "variables": 4, "problems": []}]
+    body = get_json(client, "/series?run=flushing")
+    assert body["steps"] == list(range(1, 13))
+    series = body["series"]
+    assert set(series) == {name for name, _ in metadata.UPDATE_SERIES}
+    assert series["window_micro_batches"] == [4, 4, 4, 1] * 3
+    assert series["window_samples"] == [32, 32, 32, 4] * 3
+    assert series["micro_steps"] == [4, 8, 12, 13, 17, 21, 25, 26, 30, 34, 38, 39]
+    assert series["noise_scale"][0] > 0 and all(v is None for v in series["window_loss"])
+    # The first update applied the gradient of the first 32 samples' mean loss.
+    model = make_model(optimizer="adam")
+    trainable = [v.value for v in model.trainable_variables]
+    others = [v.value for v in model.non_trainable_variables]
+
+    def loss(values):
+        y_pred, _ = model.stateless_call(values, others, x[:32])
+        return jnp.mean(jnp.square(y_pred - y[:32]))
+
+    grads = jax.grad(loss)(trainable)
+    assert series["applied_gradient_norm"][0] == pytest.approx(
+        float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in grads))), rel=1e-5)
+    accumulators = body["accumulators"]
+    for column in range(12):
+        combined = np.sqrt(sum(row[column] ** 2 for row in accumulators["values"]))
+        assert combined == pytest.approx(series["applied_gradient_norm"][column], rel=1e-5)
+    flushing = get_json(client, "/events?run=flushing")
+    assert flushing["events"][0] == {"step": 4, "policy": "flush", "micro_batches": 1,
+                                     "samples": 4}
+    for run, callback in callbacks.items():
+        counters = get_json(client, f"/events?run={run}")["counters"]
+        assert counters["optimizer_steps"] == callback.optimizer_steps
+        assert counters["micro_steps"] == callback.micro_steps == 39
+        assert counters["flushes"] == callback.flushes
+        assert counters["dropped_micro_steps"] == callback.dropped_micro_steps
+    assert callbacks["dropping"].dropped_micro_steps == 3
+
+
+def test_tfaccums_batch_normalization_is_refused_by_name_on_jax():
+    # The layer lives with the TensorFlow backend; on JAX it is refused, not half-served.
+    from tfaccum.backend.tensorflow.layers import AccumBatchNormalization
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                  AccumBatchNormalization(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    x, y = make_data(n=32)
+    refused_then_plain(build, x, y, "AccumBatchNormalization")
+
+
+def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
+    from test_keras_hub import gpt2_causal_lm
+    from test_keras_hub import sentences
+
+    from reference import read_run
+    from tb_plugin import metadata
+
+    texts = sentences()  # 40: windows of 4 x 4, the last one partial and flushed
+    reference = gpt2_causal_lm()
+    reference.fit(texts, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = gpt2_causal_lm()
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4,
+                                                    log_dir=str(tmp_path / "logs"))
+    model.fit(texts, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_diff(model, reference) < TOL
+    assert max_diff(model, gpt2_causal_lm()) > 1e-3
+    assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
+    assert callback.optimizer_steps == int(reference.optimizer.iterations.numpy())
+    series, _ = read_run(str(tmp_path / "logs"))
+    applied = series[metadata.TAG_PREFIX + "applied_gradient_norm"]
+    assert [step for step, _ in applied] == list(range(1, 7))

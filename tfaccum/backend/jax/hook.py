@@ -1,0 +1,331 @@
+"""The accumulating train function on Keras 3's JAX backend, installed on a compiled model.
+
+The same hook as TensorFlow's (`tfaccum.AccumulationHook`: arguments,
+counters, `flush`, `drop`, `remove`), made of what JAX does differently: the
+host counts the window and picks a compiled step for each micro-batch
+(`step.py`); the accumulators are arrays the hook holds, donated to each
+step and updated in place.
+"""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+
+from tfaccum import _keras as keras_models
+from tfaccum import checks
+from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax.installation import ModelInstallation
+from tfaccum.backend.jax.observers import WindowObserver
+from tfaccum.backend.jax.step import CompiledSteps
+from tfaccum.configuration import Configuration
+from tfaccum.counts import TOTAL_COUNTS
+from tfaccum.counts import WINDOW_COUNTS
+from tfaccum.counts import Counters
+from tfaccum.counts import Window
+from tfaccum.counts import with_counter_properties
+from tfaccum.patching import installed_on
+
+
+class HostCounts:
+    """The hook's counts as host integers: the host decides where windows end."""
+
+    def __init__(self):
+        self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
+
+    def numpy(self):
+        """The counts now, as `{name: int}`."""
+        return dict(self.values)
+
+    def window_vector(self):
+        return jnp.asarray([self.values[name] for name in WINDOW_COUNTS], jnp.int32)
+
+    def add(self, **counts):
+        for name, value in counts.items():
+            self.values[name] += value
+
+    def end_window(self):
+        for name in WINDOW_COUNTS:
+            self.values[name] = 0
+
+    def zero(self):
+        for name in self.values:
+            self.values[name] = 0
+
+
+@with_counter_properties
+class AccumulationHook:
+    """Makes a compiled model on Keras' JAX backend update once per window of micro-batches.
+
+    As `tfaccum.AccumulationHook` on TensorFlow (see it for the arguments and
+    the example); `GradientAccumulationCallback` and
+    `install_accumulation_hook` pick this one for a model on JAX. What JAX
+    does not serve yet is refused by name when the hook is made
+    (`check_served`), before anything on the model changes.
+    """
+
+    def __init__(self, model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
+                 sparse_gradients="rows", accumulator_dtype="float32", observers=()):
+        configuration = Configuration.resolve(
+            reduction=reduction, skip_nonfinite=skip_nonfinite,
+            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
+            observers=[type(observer) for observer in observers])
+        self._make(model, configuration, observers, accumulation_steps)
+
+    @classmethod
+    def made_with(cls, model, configuration, observers, *, accumulation_steps):
+        """A hook of a resolved `Configuration`, with its `observers` made (the callback's)."""
+        hook = cls.__new__(cls)
+        hook._make(model, configuration, observers, accumulation_steps)
+        return hook
+
+    def _make(self, model, configuration, observers, accumulation_steps):
+        api = keras_models.api_for_model_argument(model, "model")
+        checks.check_compiled(model, api, installed_on(model))
+        check_served(model, configuration, observers)
+        configuration.reduction.check(model)
+        self.model = model
+        self.configuration = configuration
+        self.reduction = configuration.reduction
+        self.observers = list(observers)
+        self.counts = HostCounts()
+        self._steps = checks.check_steps(accumulation_steps)
+        self._accumulators = None  # made at the first micro-batch
+        self._observed = None  # the observers' device states, likewise
+        self._compiled = CompiledSteps(model, self.reduction, self.observers,
+                                       jit=model.jit_compile and not model.run_eagerly)
+        self.installation = ModelInstallation(model, self._train_function, self)
+        self._install()
+
+    # -- installation ---------------------------------------------------
+
+    @staticmethod
+    def installed_on(model):
+        """The hook installed on `model`, or `None`."""
+        return installed_on(model)
+
+    @property
+    def installed(self):
+        return self.installation.installed
+
+    def _install(self):
+        for observer in self.observers:
+            observer.on_install(self)
+        self.installation.install()
+        # `optimizer.iterations` as the host counts it: read once, then
+        # one more per update (the summaries' steps).
+        self._iterations = int(np.asarray(self.model.optimizer.iterations.value))
+
+    def can_reinstall(self):
+        """Whether `reinstall()` can reuse this hook's compiled steps."""
+        return self.installation.can_reinstall()
+
+    def reinstall(self):
+        """Installs this hook again with zeroed counters, reusing its compiled steps."""
+        checks.check_reinstallable(self.can_reinstall(), self.model)
+        self.counts.zero()
+        self._accumulators = None
+        self._observed = None
+        for observer in self.observers:
+            observer.on_reset()
+        self._install()
+
+    def remove(self):
+        """Restores the plain model. Warns if a window was left pending."""
+        if not self.installed:
+            return
+        checks.check_removable(self.installation.loop_running, self.model)
+        pending = self.pending
+        if pending.micro_batches:
+            warnings.warn(
+                f"Removing the accumulation hook discards {pending.micro_batches} "
+                f"micro-batches ({pending.samples} samples) that were never "
+                "applied. Call `hook.flush()` (or `hook.drop()`) before "
+                "`hook.remove()` to decide what happens to them.",
+                stacklevel=2,
+            )
+        self.uninstall()
+
+    def uninstall(self):
+        """Puts the model back as it was, whatever is pending; observers are told first."""
+        try:
+            for observer in self.observers:
+                observer.on_uninstall(self)
+        finally:
+            self.installation.uninstall()
+            self._accumulators = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if exc_type is None:
+            self.flush()
+        else:
+            self.drop()
+        self.remove()
+        return False
+
+    # -- configuration and counters ---------------------------------------------------
+
+    @property
+    def accumulation_steps(self):
+        return self._steps
+
+    def set_accumulation_steps(self, accumulation_steps):
+        """Sets the window length used from the next micro-batch on."""
+        self._steps = checks.check_steps(accumulation_steps)
+
+    @property
+    def counters(self):
+        """The counters now, as one `Counters` snapshot (host integers)."""
+        return Counters.read(self.counts)
+
+    def observer_state(self, observer):
+        """`observer`'s device state now, or `None` before the first micro-batch."""
+        if self._observed is None:
+            return None
+        return self._observed[self.observers.index(observer)]
+
+    def set_observer_state(self, observer, state):
+        if self._observed is not None:
+            observed = list(self._observed)
+            observed[self.observers.index(observer)] = state
+            self._observed = tuple(observed)
+
+    @property
+    def pending(self):
+        """The `Window` accumulated but not yet applied."""
+        values = self.counts.values
+        return Window(values["window_micro_batches"], values["window_samples"])
+
+    def __repr__(self):
+        counters = self.counters
+        return (f"AccumulationHook(model={self.model.name!r}, "
+                f"accumulation_steps={self.accumulation_steps}, "
+                f"reduction={self.reduction!r}, installed={self.installed}, "
+                f"micro_steps={counters.micro_steps}, "
+                f"optimizer_steps={counters.optimizer_steps}, backend='jax')")
+
+    # -- the train function ---------------------------------------------------------
+
+    def _train_function(self, state, iterator):
+        """Keras' `train_function(state, iterator)`: `steps_per_execution` micro-batches."""
+        logs, state = self._micro_step(state, next(iterator))
+        for _ in range(self.model.steps_per_execution - 1):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            logs, state = self._micro_step(state, data)
+        return logs, state
+
+    def _micro_step(self, state, data):
+        samples = _keras.batch_size(data)
+        if self._accumulators is None:
+            self._accumulators = [jnp.zeros(v.shape, "float32") for v in state[0]]
+        if self._observed is None:
+            self._observed = tuple(observer.initial() for observer in self.observers)
+        counts = self.counts
+        first = counts.values["micro_steps"] == 0
+        try:
+            logs, state, self._accumulators, self._observed = self._compiled.accumulate(
+                state, self._accumulators, self._observed, data, counts.window_vector(),
+                jnp.asarray([samples, samples], jnp.int32))
+        except Exception:
+            if first:
+                _keras.restore(self.model, state)  # Keras emptied the variables
+                self._accumulators = self._observed = None
+                self.uninstall()  # `fit` stops here; leave a plain model behind.
+            raise
+        counts.add(micro_steps=1, samples=samples, items=samples, window_micro_batches=1,
+                   window_samples=samples, window_items=samples)
+        if counts.values["window_micro_batches"] >= self._steps:
+            trainable, non_trainable, optimizer_variables, metrics = state
+            trainable, optimizer_variables = self._apply(trainable, optimizer_variables)
+            state = (trainable, non_trainable, optimizer_variables, metrics)
+        return logs, state
+
+    def _apply(self, trainable, optimizer_variables):
+        """Applies the open window: normalised in place, then the optimizer's update
+        (two compiled functions, so that no step holds a second copy of the window)."""
+        self._accumulators, self._observed = self._compiled.normalize(
+            self._accumulators, self._observed, self.counts.window_vector())
+        trainable, optimizer_variables = self._compiled.apply(
+            trainable, optimizer_variables, self._accumulators)
+        self._applied()
+        return trainable, optimizer_variables
+
+    def _applied(self):
+        """Counts the update just made; the window is empty (its first micro-batch
+        overwrites the accumulators)."""
+        window = {name: self.counts.values[name] for name in WINDOW_COUNTS}
+        self.counts.add(optimizer_steps=1)
+        self.counts.end_window()
+        self._iterations += 1
+        for observer in self.observers:
+            observer.after_apply(self._iterations, window, self.counts.values)
+
+    # -- host-triggered window ends -----------------------------------------
+
+    def flush(self):
+        """Applies a partial window now, normalised by what it holds.
+
+        Returns:
+            The `Window` that was applied (`Window(0, 0)` if none was pending).
+        """
+        window = self.pending
+        if not window.micro_batches:
+            return window
+        model = self.model
+        self.counts.add(flushes=1)
+        trainable, optimizer_variables = self._apply(*_keras.state_of(model))
+        for variable, value in zip(model.trainable_variables, trainable):
+            variable.assign(value)
+        for variable, value in zip(model.optimizer.variables, optimizer_variables):
+            variable.assign(value)
+        return window
+
+    def drop(self):
+        """Discards a partial window; it is counted in `dropped_micro_steps`.
+
+        Returns:
+            The `Window` that was discarded.
+        """
+        window = self.pending
+        if window.micro_batches:  # the next micro-batch overwrites the accumulators
+            self.counts.add(dropped_micro_steps=window.micro_batches)
+            self.counts.end_window()
+            for observer in self.observers:
+                observer.on_reset()
+        return window
+
+
+def check_served(model, configuration, observers):
+    """Refuses, by name, what the JAX backend does not serve yet."""
+    def refuse(what, fix):
+        raise ValueError(
+            f"tfaccum on Keras' JAX backend does not serve {what} yet. {fix} "
+            "(On the TensorFlow backend it is served: KERAS_BACKEND=tensorflow.)")
+
+    if configuration.skip_nonfinite:
+        refuse("skip_nonfinite=True", "Leave skip_nonfinite=None.")
+    if keras_models.scales_loss_dynamically(model.optimizer):
+        refuse("a LossScaleOptimizer (mixed_float16)", "Use mixed_bfloat16 or float32.")
+    if configuration.accumulator_dtype != "float32":
+        refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}",
+               "Use accumulator_dtype=\"float32\".")
+    if _keras.distributed():
+        refuse("a keras.distribution (several devices)", "Train on one device.")
+    others = sorted({type(o).__name__ for o in observers if not isinstance(o, WindowObserver)})
+    if others:
+        refuse(f"observers made for TensorFlow ({others})",
+               "Pass the JAX backend's (tfaccum.backend.jax.observers).")
+    toolkit = _keras.toolkit_parts(model)
+    if toolkit:
+        refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses)",
+               "Use BatchNormalization and a loss of each micro-batch.")
+    ignoring = _keras.ignored_classes(model)
+    if ignoring and configuration.reduction.counts_items:
+        refuse(f"counting the items of a loss with ignore_class ({ignoring}) for "
+               f"reduction={configuration.reduction!r}", "Compile a loss averaged per sample.")

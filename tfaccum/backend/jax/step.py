@@ -1,0 +1,118 @@
+"""The accumulating step on JAX: compiled functions the host calls in turn.
+
+Keras' JAX trainer calls `model.train_function(state, iterator)` from the
+host, batch by batch. The host knows where a window ends (it counts the
+micro-batches): every micro-batch runs `accumulate` (forward, backward, the
+gradient added into the accumulators), and a window's end then runs
+`normalize` (the sum divided, in place; the observers see the update) and
+`apply` (the optimizer's update, reading the accumulators; the next window's
+first micro-batch overwrites them). Nothing computes an update only to throw
+it away, nothing keeps a copy of the variables to choose between, and no
+function holds a second copy of the window: the state and the accumulators
+are donated, so XLA updates them in place (`benchmarks/jax_backend.py`).
+`flush` runs the last two from the host.
+
+The reduction says what each micro-batch weighs and what the window divides
+by, on the open window's counts (`keras.ops` on JAX arrays).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from tfaccum import reduction as reductions
+from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax.observers import MicroStep
+from tfaccum.backend.jax.observers import Update
+from tfaccum.counts import WINDOW_COUNTS
+
+
+def window_counts(vector):
+    """`{count name: int32 scalar}` of a vector ordered as `WINDOW_COUNTS`."""
+    return {name: vector[i] for i, name in enumerate(WINDOW_COUNTS)}
+
+
+def squared_norm(grads):
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
+
+
+class CompiledSteps:
+    """The three compiled functions of one hook.
+
+    `accumulate` and `normalize` take and return the observers' device states
+    (`observed`, one per observer) beside the accumulators.
+
+    Args:
+        model: The compiled Keras model (JAX backend).
+        reduction: The hook's `Reduction`.
+        observers: The hook's `WindowObserver`s (`observers.py`).
+        jit: Whether to compile (`False` under `run_eagerly=True`).
+    """
+
+    def __init__(self, model, reduction, observers=(), jit=True):
+        self.model = model
+        self.reduction = reduction
+        self.observers = tuple(observers)
+        # Norms of the gradients of mean losses: a summed loss's are divided.
+        self._sums = isinstance(reduction, reductions.Sum)
+        compile_ = (lambda f, donate: jax.jit(f, donate_argnums=donate)) if jit else (
+            lambda f, donate: f)
+        self.accumulate = compile_(self._accumulate, (0, 1, 2))
+        self.normalize = compile_(self._normalize, (0, 1))
+        self.apply = compile_(self._apply, (0, 1))
+
+    # -- inside the compiled functions ----------------------------------------------
+
+    def _accumulate(self, state, accumulators, observed, data, open_window, added):
+        """Adds one micro-batch; `open_window`: the window's counts before it,
+        `added`: its own (samples, items)."""
+        model = self.model
+        trainable, _, optimizer_variables, _ = state
+        with _keras.loss_inputs(model) as seen:
+            grads, loss, y_pred, non_trainable, metrics, unpacked = (
+                _keras.gradient_and_outputs(model, state, data))
+        if self.reduction.counts_items and seen["masked"]:
+            raise ValueError(
+                "tfaccum on Keras' JAX backend does not count the tokens of a masked "
+                f"loss yet (reduction={self.reduction!r}): the model's outputs carry a "
+                "Keras mask. Compile a loss averaged per sample, or use "
+                "KERAS_BACKEND=tensorflow, where it is served.")
+        samples, items = added[0], added[1]
+        if self.observers:
+            square = squared_norm(grads)
+            if self._sums:
+                square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
+            step = MicroStep(squared_norm=square, samples=items)
+            observed = tuple(o.on_micro_step(s, step) for o, s in zip(self.observers, observed))
+        weight = self.reduction.weight(samples, items, window_counts(open_window))
+        if weight is not None:
+            grads = [g * jnp.asarray(weight, g.dtype) for g in grads]
+        # A window's first micro-batch overwrites what the last window left.
+        first = open_window[0] == 0
+        accumulators = [jnp.where(first, 0.0, a) + g.astype(a.dtype)
+                        for a, g in zip(accumulators, grads)]
+        logs, metrics = _keras.update_metrics(model, metrics, loss, unpacked, y_pred)
+        state = (trainable, non_trainable, optimizer_variables, metrics)
+        return logs, state, accumulators, observed
+
+    def _normalize(self, accumulators, observed, window):
+        """The window's sum divided as the reduction says, in place; the observers
+        see the update it will make."""
+        counts = window_counts(window)
+        denominator = self.reduction.denominator(counts)
+        if denominator is not None:
+            accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
+        if self.observers:
+            squares = [squared_norm([a]) for a in accumulators]
+            if self._sums:
+                samples = jnp.maximum(counts["window_samples"], 1).astype(jnp.float32)
+                squares = [square / jnp.square(samples) for square in squares]
+            update = Update(squared_norm=sum(squares), variable_squares=squares,
+                            samples=counts["window_items"])
+            observed = tuple(o.on_apply(s, update) for o, s in zip(self.observers, observed))
+        return accumulators, observed
+
+    def _apply(self, trainable, optimizer_variables, accumulators):
+        """The normalised window applied once. The accumulators are only read:
+        the window's first micro-batch overwrites them (`_accumulate`)."""
+        grads = [a.astype(v.dtype) for a, v in zip(accumulators, trainable)]
+        return self.model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
