@@ -18,6 +18,7 @@ Variants:
   plain      micro-batches of 16, no accumulation (the baseline)
   keras      Keras' Adam(gradient_accumulation_steps=4)
   tfaccum    GradientAccumulationCallback(accumulation_steps=4), defaults
+  no-noise   the same with noise_scale=False (the noise scale's cost)
 """
 
 import argparse
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "keras", "tfaccum")
+VARIANTS = ("plain", "keras", "tfaccum", "no-noise")
 
 
 def run_variant(variant, args):
@@ -67,8 +68,9 @@ def run_variant(variant, args):
 
     times = EpochTimes()
     callbacks = [times]
-    if variant == "tfaccum":
-        callbacks.insert(0, tfaccum.GradientAccumulationCallback(accumulation_steps=args.steps))
+    if variant in ("tfaccum", "no-noise"):
+        callbacks.insert(0, tfaccum.GradientAccumulationCallback(
+            accumulation_steps=args.steps, noise_scale=None if variant == "tfaccum" else False))
     model.fit(x, y, batch_size=args.micro, epochs=args.epochs, shuffle=False, verbose=0,
               callbacks=callbacks)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

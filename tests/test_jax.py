@@ -39,6 +39,17 @@ def test_every_update_equals_the_large_batch(optimizer):
     assert result.moved(model_builder(optimizer)) > 1e-2
 
 
+@pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
+                                      {"clipvalue": 0.01}])
+def test_clipping_acts_on_the_windows_gradient(clipping):
+    # Tight enough that every update is clipped: a clip per micro-batch would differ.
+    build = model_builder(lambda: keras.optimizers.Adam(0.01, **clipping))
+    x, y = make_data(n=64)
+    result = compare(build, x, y, micro=8, steps=4, epochs=2)
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-2
+
+
 def test_sample_weights_weigh_as_in_the_large_batch():
     x, y = make_data(n=60)
     weights = np.random.default_rng(3).uniform(0.0, 2.0, size=60).astype("float32")
@@ -149,7 +160,7 @@ def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match)
     refused_then_plain(model_builder(), x, y, match, **kwargs)
 
 
-def masked_sequence_model():
+def masked_sequence_model(loss=None):
     keras.utils.set_random_seed(4)
     model = keras.Sequential([
         keras.Input((6,), dtype="int32"),
@@ -157,31 +168,55 @@ def masked_sequence_model():
         keras.layers.Dense(3),
     ])
     model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
-def sequences(n=32):
+def sequences(n=40):
+    """Sequences padded to different lengths (1 to 6 tokens): micro-batches count
+    different numbers of tokens."""
     rng = np.random.default_rng(5)
     x = rng.integers(1, 10, size=(n, 6)).astype("int32")
-    x[:, 4:] = 0  # padding
+    lengths = rng.integers(1, 7, size=n)
+    x[np.arange(6)[None, :] >= lengths[:, None]] = 0
     return x, rng.integers(0, 3, size=(n, 6)).astype("int32")
 
 
-def test_a_mask_reaching_the_loss_under_auto_is_refused_at_the_first_step_and_undone():
+def test_masked_tokens_weigh_as_in_the_large_batch():
     x, y = sequences()
-    refused_then_plain(masked_sequence_model, x, y, "masked loss")
+    result = compare(masked_sequence_model, x, y, micro=4, steps=3, epochs=2)
+    assert result.diff < TOL
+    assert result.moved(masked_sequence_model) > 1e-2
+    assert result.callback.counters.items == 2 * int(np.sum(x != 0))
+    assert result.callback.counters.samples == 80
+    by_samples = compare(masked_sequence_model, x, y, micro=4, steps=3, epochs=2,
+                         callback_kwargs={"reduction": "samples"})
+    assert by_samples.diff > 1e-4  # weighting by tokens is what makes it exact
 
 
-def test_a_masked_model_under_samples_trains_and_counts_samples():
+def test_ignore_class_counts_the_tokens_left():
+    def build():
+        return masked_sequence_model(keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=0))
+
     x, y = sequences()
-    model = masked_sequence_model()
-    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=2, reduction="samples")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[callback])
-    assert callback.counters.samples == 32
-    assert callback.counters.optimizer_steps == 2
+    result = compare(build, x, y, micro=4, steps=3)
+    assert result.diff < TOL
+    assert result.callback.counters.items == int(np.sum((x != 0) & (y != 0)))
+
+
+def test_several_masked_outputs_are_refused_by_name_and_undone():
+    def build():
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+        model = keras.Model(inputs, [keras.layers.Dense(3)(hidden), keras.layers.Dense(2)(hidden)])
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=[loss, loss])
+        return model
+
+    x, y = sequences(32)
+    refused_then_plain(build, x, [y, y % 2], "2 outputs")
 
 
 def linear_gradient(w, b, x, y):
@@ -318,3 +353,59 @@ def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
     series, _ = read_run(str(tmp_path / "logs"))
     applied = series[metadata.TAG_PREFIX + "applied_gradient_norm"]
     assert [step for step, _ in applied] == list(range(1, 7))
+
+
+class TokenMeanLoss(keras.losses.Loss):
+    """A per-token mean over labels >= 0, which says its count (as Hugging Face's
+    `num_items_in_batch`)."""
+
+    def call(self, y_true, y_pred):
+        ops = keras.ops
+        valid = ops.cast(y_true >= 0, "float32")
+        per_token = keras.losses.sparse_categorical_crossentropy(
+            ops.maximum(y_true, 0), y_pred, from_logits=True) * valid
+        items = tfaccum.count_items(ops.sum(valid))
+        return ops.divide_no_nan(ops.sum(per_token), items)  # one value: the token mean
+
+
+def test_count_items_in_a_custom_loss():
+    def build():
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                                  keras.layers.Embedding(10, 4), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=TokenMeanLoss(reduction="sum"))  # its one value as it is
+        return model
+
+    x, y = sequences()
+    y = np.where(x == 0, -1, y)  # padding is labelled -1
+    result = compare(build, x, y, micro=4, steps=3)
+    assert result.diff < TOL
+    assert result.callback.counters.items == int(np.sum(y >= 0))
+
+
+def test_mixed_bfloat16_is_close_to_the_large_batch():
+    # bfloat16 forward passes round differently per batch shape (8 bits of
+    # mantissa): on TensorFlow one device accumulating is 7.7e-4 from its large batch.
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        x, y = make_data()
+        result = compare(model_builder(), x, y, micro=8, steps=4, epochs=2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert result.diff < 2e-3
+    assert result.moved(model_builder()) > 1e-2
+
+
+def test_a_reduction_that_fails_at_the_first_window_end_leaves_a_plain_model():
+    class Failing(tfaccum.Reduction):
+        name = "failing"
+
+        def weight(self, samples, items, open_window):
+            return samples
+
+        def denominator(self, window):
+            raise ValueError("this reduction cannot divide")
+
+    x, y = make_data(n=32)
+    refused_then_plain(model_builder("sgd"), x, y, "cannot divide", reduction=Failing())

@@ -72,8 +72,8 @@ def test_pooled_variance_includes_the_variance_between_micro_batches():
     """Two micro-batches with different means: their average variance is not it."""
     layer = AccumBatchNormalization(momentum=0.0)
     layer.build((None, 1))
-    window = layer._new_window(tf.distribute.get_strategy())
-    layer._set_window(window)
+    window = layer._new_pooled(tf.distribute.get_strategy())
+    layer._set_pooled(window)
     layer(np.array([[0.0], [2.0]], "float32"), training=True)  # mean 1, variance 1
     window.commit()  # the hook commits a micro-batch when its gradient joins
     layer(np.array([[10.0], [12.0], [14.0]], "float32"), training=True)  # mean 12, var 8/3

@@ -73,7 +73,7 @@ def test_bfloat16_accumulators_hold_half_and_train_close_to_float32():
     tf.random.set_seed(0)
     full, full_callback = fit("float32")
     half, half_callback = fit("bfloat16")
-    assert half_callback.hook.window.nbytes() * 2 == full_callback.hook.window.nbytes()
+    assert half_callback.hook.accumulators.nbytes() * 2 == full_callback.hook.accumulators.nbytes()
     assert half_callback.optimizer_steps == full_callback.optimizer_steps == 8
     diff = max_diff(half.get_weights(), full.get_weights())
     assert 0 < diff < 1e-3, diff

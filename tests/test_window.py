@@ -110,8 +110,8 @@ def test_a_new_observer_is_told_everything():
 def test_hook_holds_one_window():
     model = make_model()
     hook = AccumulationHook(model, accumulation_steps=2)
-    assert isinstance(hook.window, Accumulators)
-    assert hook.counts is hook.window.counts
+    assert isinstance(hook.accumulators, Accumulators)
+    assert hook.counts is hook.accumulators.counts
     hook.remove()
 
 

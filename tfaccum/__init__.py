@@ -6,6 +6,7 @@ from tfaccum.callback import GradientAccumulationCallback  # noqa: F401
 from tfaccum.counts import Window  # noqa: F401
 from tfaccum.install import install_accumulation_hook  # noqa: F401
 from tfaccum.install import remove_accumulation_hook  # noqa: F401
+from tfaccum.items import count_items  # noqa: F401
 from tfaccum.reduction import Reduction  # noqa: F401
 
 __version__ = "0.1.0"
@@ -18,14 +19,13 @@ _FROM_BACKEND = {
     "NTXent": "tfaccum.backend.tensorflow.window_loss",
     "WindowLoss": "tfaccum.backend.tensorflow.window_loss",
     "convert_batch_norm": "tfaccum.backend.tensorflow.convert",
-    "count_items": "tfaccum.backend.tensorflow.items",
     "disable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
     "enable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
 }
 
 __all__ = sorted([
     "AccumulationHook", "GradientAccumulationCallback", "Reduction", "Window",
-    "install_accumulation_hook", "remove_accumulation_hook", *_FROM_BACKEND])
+    "count_items", "install_accumulation_hook", "remove_accumulation_hook", *_FROM_BACKEND])
 
 
 def __getattr__(name):

@@ -1,5 +1,7 @@
 """Accumulation installed by hand, on whichever backend the model runs."""
 
+import warnings
+
 from tfaccum import _keras
 from tfaccum import backend as backends
 from tfaccum.patching import installed_on
@@ -39,3 +41,15 @@ def remove_accumulation_hook(model):
     if hook is not None:
         hook.remove()
     return hook
+
+
+def warn_if_discarded(pending):
+    """Warns that removing a hook discards its `pending` window, if it holds any."""
+    if pending.micro_batches:
+        warnings.warn(
+            f"Removing the accumulation hook discards {pending.micro_batches} "
+            f"micro-batches ({pending.samples} samples) that were never "
+            "applied. Call `hook.flush()` (or `hook.drop()`) before "
+            "`hook.remove()` to decide what happens to them.",
+            stacklevel=3,
+        )

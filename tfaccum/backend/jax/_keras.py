@@ -57,11 +57,13 @@ def sync(model):
 
 
 def restore(model, state):
-    """Gives the model's variables the values of `state` again.
+    """Gives the model's variables the values of `state` again, for good.
 
     The trainer empties them while a step holds the state (private:
     `JAXTrainer._purge_model_variables`, Keras 3.7-3.15); a step that fails
-    before it returns a state would otherwise leave them empty.
+    before it returns a state would otherwise leave them empty, or `fit`'s
+    end would write back the state of the batch before, whose arrays the
+    failed step was given (private: `_jax_state_synced`, the same versions).
     """
     trainable, non_trainable, optimizer_variables, metrics = state
     for variables, values in ((model.trainable_variables, trainable),
@@ -70,6 +72,7 @@ def restore(model, state):
                               (model.metrics_variables, metrics)):
         for variable, value in zip(variables, values):
             variable.assign(value)
+    model._jax_state_synced = True
 
 
 def batch_size(data):
@@ -86,22 +89,42 @@ def distributed():
 
 @contextlib.contextmanager
 def loss_inputs(model):
-    """Notes, while a step traces, whether the outputs reaching `model.compute_loss`
-    carry a Keras mask: `{"masked": bool}`.
+    """While a step traces, what the compiled loss averages over:
+    `{"items": int tensor or None}`.
 
-    A mask rides on the traced outputs inside the gradient's trace only, so it
-    is read where the loss receives them (private:
-    `keras.src.backend.common.masking.get_keras_mask`, Keras 3.7-3.15).
+    Where a Keras mask rides on the output or the loss has an `ignore_class`,
+    Keras divides the loss by the elements left (`losses.loss.apply_mask`):
+    `items` counts them; `None` where neither reaches the loss (it averages
+    over the samples). A mask rides on the traced outputs inside the
+    gradient's trace only, so it is read where `compute_loss` receives them
+    (private: `keras.src.backend.common.masking.get_keras_mask`, Keras
+    3.7-3.15). The count depends on the data only, not on the weights.
     """
+    import jax.numpy as jnp
     from keras.src.backend.common.masking import get_keras_mask
 
-    seen = {"masked": False}
+    seen = {"items": None}
     patch = InstancePatch(model, "compute_loss", None)
+    ignore = ignore_class(model)
 
     def compute_loss(*args, **kwargs):
+        y = kwargs.get("y", args[1] if len(args) > 1 else None)
         y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
-        seen["masked"] = seen["masked"] or any(
-            get_keras_mask(output) is not None for output in keras.tree.flatten(y_pred))
+        outputs = keras.tree.flatten(y_pred)
+        masks = [get_keras_mask(output) for output in outputs]
+        if any(mask is not None for mask in masks) or ignore is not None:
+            if len(outputs) > 1:
+                raise ValueError(
+                    "tfaccum on Keras' JAX backend counts the items of one output's "
+                    f"masked loss, not yet of {len(outputs)} outputs' (reduction='auto'). "
+                    "Use reduction=\"samples\" if their losses average per sample, or "
+                    "KERAS_BACKEND=tensorflow, where each output counts its own.")
+            valid = None if masks[0] is None else masks[0].astype(bool)
+            if ignore is not None:
+                kept = keras.tree.flatten(y)[0] != ignore
+                kept = kept.reshape(valid.shape) if valid is not None else kept
+                valid = kept if valid is None else valid & kept
+            seen["items"] = jnp.sum(valid.astype(jnp.int32))
         return patch.original()(*args, **kwargs)
 
     patch.value = compute_loss
@@ -112,15 +135,13 @@ def loss_inputs(model):
         patch.restore()
 
 
-def ignored_classes(model):
-    """The compiled losses' `ignore_class` settings that are not `None` (public:
-    the losses' `get_config()`)."""
-    found = []
-    for loss in keras.tree.flatten(getattr(model, "loss", None)):
-        config = loss.get_config() if hasattr(loss, "get_config") else {}
-        if config.get("ignore_class") is not None:
-            found.append(f"{type(loss).__name__}(ignore_class={config['ignore_class']})")
-    return found
+def ignore_class(model):
+    """The compiled loss's `ignore_class`, or `None` (public: `get_config()`)."""
+    found = [loss.get_config().get("ignore_class")
+             for loss in keras.tree.flatten(getattr(model, "loss", None))
+             if hasattr(loss, "get_config")]
+    found = [value for value in found if value is not None]
+    return found[0] if found else None
 
 
 def toolkit_parts(model):

@@ -7,8 +7,6 @@ host counts the window and picks a compiled step for each micro-batch
 step and updated in place.
 """
 
-import warnings
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,25 +17,32 @@ from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.backend.jax.observers import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.configuration import Configuration
-from tfaccum.counts import TOTAL_COUNTS
-from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import Counters
+from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import Window
+from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import with_counter_properties
+from tfaccum.install import warn_if_discarded
 from tfaccum.patching import installed_on
 
 
 class HostCounts:
-    """The hook's counts as host integers: the host decides where windows end."""
+    """The hook's counts: host integers (the host decides where windows end), but
+    for what the losses averaged over (`window_items`, `items`), which the
+    compiled step counts on the device (`items`: a vector of the two) and a
+    read fetches, so that no micro-step waits for the device."""
 
     def __init__(self):
         self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
+        self.items = jnp.zeros(2, jnp.int32)
 
     def numpy(self):
-        """The counts now, as `{name: int}`."""
-        return dict(self.values)
+        """The counts now, as `{name: int}` (one device read)."""
+        window_items, items = (int(value) for value in np.asarray(self.items))
+        return dict(self.values, window_items=window_items, items=items)
 
     def window_vector(self):
+        """The open window's host counts (`window_items` is the device's)."""
         return jnp.asarray([self.values[name] for name in WINDOW_COUNTS], jnp.int32)
 
     def add(self, **counts):
@@ -51,6 +56,7 @@ class HostCounts:
     def zero(self):
         for name in self.values:
             self.values[name] = 0
+        self.items = jnp.zeros(2, jnp.int32)
 
 
 @with_counter_properties
@@ -135,15 +141,7 @@ class AccumulationHook:
         if not self.installed:
             return
         checks.check_removable(self.installation.loop_running, self.model)
-        pending = self.pending
-        if pending.micro_batches:
-            warnings.warn(
-                f"Removing the accumulation hook discards {pending.micro_batches} "
-                f"micro-batches ({pending.samples} samples) that were never "
-                "applied. Call `hook.flush()` (or `hook.drop()`) before "
-                "`hook.remove()` to decide what happens to them.",
-                stacklevel=2,
-            )
+        warn_if_discarded(self.pending)
         self.uninstall()
 
     def uninstall(self):
@@ -227,30 +225,38 @@ class AccumulationHook:
         if self._observed is None:
             self._observed = tuple(observer.initial() for observer in self.observers)
         counts = self.counts
-        first = counts.values["micro_steps"] == 0
+        # A step or window end that fails while it first traces (a refusal)
+        # leaves a plain model: what it had is put back (Keras' trainer
+        # emptied the variables while the step held them), the hook removed.
+        first = counts.values["micro_steps"] == 0 or (
+            counts.values["optimizer_steps"] == 0
+            and counts.values["window_micro_batches"] + 1 >= self._steps)
+        given = state
         try:
-            logs, state, self._accumulators, self._observed = self._compiled.accumulate(
-                state, self._accumulators, self._observed, data, counts.window_vector(),
-                jnp.asarray([samples, samples], jnp.int32))
+            logs, state, self._accumulators, self._observed, counts.items = (
+                self._compiled.accumulate(state, self._accumulators, self._observed,
+                                          counts.items, data, counts.window_vector(),
+                                          jnp.asarray(samples, jnp.int32)))
+            counts.add(micro_steps=1, samples=samples, window_micro_batches=1,
+                       window_samples=samples)
+            if counts.values["window_micro_batches"] >= self._steps:
+                trainable, non_trainable, optimizer_variables, metrics = state
+                trainable, optimizer_variables = self._apply(trainable, optimizer_variables)
+                state = (trainable, non_trainable, optimizer_variables, metrics)
         except Exception:
             if first:
-                _keras.restore(self.model, state)  # Keras emptied the variables
+                _keras.restore(self.model, given if state is given else state)
                 self._accumulators = self._observed = None
-                self.uninstall()  # `fit` stops here; leave a plain model behind.
+                self.uninstall()  # `fit` stops here
             raise
-        counts.add(micro_steps=1, samples=samples, items=samples, window_micro_batches=1,
-                   window_samples=samples, window_items=samples)
-        if counts.values["window_micro_batches"] >= self._steps:
-            trainable, non_trainable, optimizer_variables, metrics = state
-            trainable, optimizer_variables = self._apply(trainable, optimizer_variables)
-            state = (trainable, non_trainable, optimizer_variables, metrics)
         return logs, state
 
     def _apply(self, trainable, optimizer_variables):
         """Applies the open window: normalised in place, then the optimizer's update
         (two compiled functions, so that no step holds a second copy of the window)."""
-        self._accumulators, self._observed = self._compiled.normalize(
-            self._accumulators, self._observed, self.counts.window_vector())
+        self._accumulators, self._observed, self.counts.items, self._window_items = (
+            self._compiled.normalize(self._accumulators, self._observed, self.counts.items,
+                                     self.counts.window_vector()))
         trainable, optimizer_variables = self._compiled.apply(
             trainable, optimizer_variables, self._accumulators)
         self._applied()
@@ -260,6 +266,7 @@ class AccumulationHook:
         """Counts the update just made; the window is empty (its first micro-batch
         overwrites the accumulators)."""
         window = {name: self.counts.values[name] for name in WINDOW_COUNTS}
+        window["window_items"] = self._window_items  # on the device, not read here
         self.counts.add(optimizer_steps=1)
         self.counts.end_window()
         self._iterations += 1
@@ -296,6 +303,7 @@ class AccumulationHook:
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.end_window()
+            self.counts.items = self.counts.items.at[0].set(0)
             for observer in self.observers:
                 observer.on_reset()
         return window
@@ -325,7 +333,3 @@ def check_served(model, configuration, observers):
     if toolkit:
         refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses)",
                "Use BatchNormalization and a loss of each micro-batch.")
-    ignoring = _keras.ignored_classes(model)
-    if ignoring and configuration.reduction.counts_items:
-        refuse(f"counting the items of a loss with ignore_class ({ignoring}) for "
-               f"reduction={configuration.reduction!r}", "Compile a loss averaged per sample.")

@@ -1,8 +1,8 @@
 """What a hook sets on a model on JAX: its train function, put back when removed."""
 
 from tfaccum.patching import HOOK_ATTRIBUTE
-from tfaccum.patching import InstancePatch
 from tfaccum.patching import installed_on
+from tfaccum.patching import InstancePatch
 
 
 class ModelInstallation:

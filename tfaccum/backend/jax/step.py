@@ -19,6 +19,7 @@ by, on the open window's counts (`keras.ops` on JAX arrays).
 import jax
 import jax.numpy as jnp
 
+from tfaccum import items as said_items
 from tfaccum import reduction as reductions
 from tfaccum.backend.jax import _keras
 from tfaccum.backend.jax.observers import MicroStep
@@ -56,34 +57,43 @@ class CompiledSteps:
         self._sums = isinstance(reduction, reductions.Sum)
         compile_ = (lambda f, donate: jax.jit(f, donate_argnums=donate)) if jit else (
             lambda f, donate: f)
-        self.accumulate = compile_(self._accumulate, (0, 1, 2))
-        self.normalize = compile_(self._normalize, (0, 1))
+        self.accumulate = compile_(self._accumulate, (0, 1, 2, 3))
+        self.normalize = compile_(self._normalize, (0, 1, 2))
         self.apply = compile_(self._apply, (0, 1))
 
     # -- inside the compiled functions ----------------------------------------------
 
-    def _accumulate(self, state, accumulators, observed, data, open_window, added):
-        """Adds one micro-batch; `open_window`: the window's counts before it,
-        `added`: its own (samples, items)."""
+    def _accumulate(self, state, accumulators, observed, items, data, open_window, samples):
+        """Adds one micro-batch.
+
+        Args:
+            items: `[window_items, items]` counted so far (on the device).
+            open_window: The window's host counts before it (`WINDOW_COUNTS`).
+            samples: Its samples.
+        """
         model = self.model
         trainable, _, optimizer_variables, _ = state
-        with _keras.loss_inputs(model) as seen:
+        with _keras.loss_inputs(model) as seen, said_items.collected() as said:
             grads, loss, y_pred, non_trainable, metrics, unpacked = (
                 _keras.gradient_and_outputs(model, state, data))
-        if self.reduction.counts_items and seen["masked"]:
+        if len(said) > 1:
             raise ValueError(
-                "tfaccum on Keras' JAX backend does not count the tokens of a masked "
-                f"loss yet (reduction={self.reduction!r}): the model's outputs carry a "
-                "Keras mask. Compile a loss averaged per sample, or use "
-                "KERAS_BACKEND=tensorflow, where it is served.")
-        samples, items = added[0], added[1]
+                f"`count_items()` was called {len(said)} times in one step; call it once "
+                "per step, with what the micro-batch's loss was divided by. Received: "
+                f"items={said!r}")
+        # What the loss averaged over: what `count_items()` said, or its
+        # unmasked elements where a mask or `ignore_class` reached it (one
+        # output), else the samples.
+        counted = (said[0] if said else seen["items"]) if self.reduction.counts_items else None
+        added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
+        open_window = open_window.at[2].set(items[0])
         if self.observers:
             square = squared_norm(grads)
             if self._sums:
                 square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
-            step = MicroStep(squared_norm=square, samples=items)
+            step = MicroStep(squared_norm=square, samples=added)
             observed = tuple(o.on_micro_step(s, step) for o, s in zip(self.observers, observed))
-        weight = self.reduction.weight(samples, items, window_counts(open_window))
+        weight = self.reduction.weight(samples, added, window_counts(open_window))
         if weight is not None:
             grads = [g * jnp.asarray(weight, g.dtype) for g in grads]
         # A window's first micro-batch overwrites what the last window left.
@@ -92,12 +102,13 @@ class CompiledSteps:
                         for a, g in zip(accumulators, grads)]
         logs, metrics = _keras.update_metrics(model, metrics, loss, unpacked, y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
-        return logs, state, accumulators, observed
+        return logs, state, accumulators, observed, items + added
 
-    def _normalize(self, accumulators, observed, window):
+    def _normalize(self, accumulators, observed, items, window):
         """The window's sum divided as the reduction says, in place; the observers
-        see the update it will make."""
-        counts = window_counts(window)
+        see the update it will make. Returns the window's items apart, and
+        `items` with the window's emptied."""
+        counts = window_counts(window.at[2].set(items[0]))
         denominator = self.reduction.denominator(counts)
         if denominator is not None:
             accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
@@ -109,7 +120,7 @@ class CompiledSteps:
             update = Update(squared_norm=sum(squares), variable_squares=squares,
                             samples=counts["window_items"])
             observed = tuple(o.on_apply(s, update) for o, s in zip(self.observers, observed))
-        return accumulators, observed
+        return accumulators, observed, items.at[0].set(0), items[0]
 
     def _apply(self, trainable, optimizer_variables, accumulators):
         """The normalised window applied once. The accumulators are only read:

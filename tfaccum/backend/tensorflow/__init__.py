@@ -13,8 +13,8 @@ The names below are what the callback asks of a backend.
 
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.hook import AccumulationHook  # noqa: F401
-from tfaccum.backend.tensorflow.moments import BatchNormWindows  # noqa: F401
 from tfaccum.backend.tensorflow.moments import accumulating_layers  # noqa: F401
+from tfaccum.backend.tensorflow.moments import BatchNormWindows  # noqa: F401
 from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator  # noqa: F401
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries  # noqa: F401
 from tfaccum.backend.tensorflow.summary import probe_log_dir  # noqa: F401

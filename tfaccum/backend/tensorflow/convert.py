@@ -14,9 +14,9 @@ import keras
 
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.layers import AccumBatchNormalization
-from tfaccum.backend.tensorflow.moments import WindowedMoments
 from tfaccum.backend.tensorflow.moments import accumulating_layers
 from tfaccum.backend.tensorflow.moments import saved_as
+from tfaccum.backend.tensorflow.moments import WindowedMoments
 
 
 def convert_batch_norm(model, in_place=False, verbose=1):

@@ -28,8 +28,8 @@ import tensorflow as tf
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow import replication
 from tfaccum.backend.tensorflow.replication import variable_options
-from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.step import count_samples
+from tfaccum.backend.tensorflow.step import StepError
 
 
 class _Buffer:

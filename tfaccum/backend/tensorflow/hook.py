@@ -10,24 +10,22 @@ to the hook, which adds it to (or leaves it out of) the window state
 optimizer applies it, and the observers see an `Update`.
 """
 
-import warnings
-
-
-from tfaccum.backend.tensorflow import _keras
 from tfaccum import checks
+from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
-from tfaccum.configuration import Configuration
-from tfaccum.counts import Counters
-from tfaccum.counts import with_counter_properties
 from tfaccum.backend.tensorflow.gradient_cache import CachingStep
 from tfaccum.backend.tensorflow.host_ends import HostEnds
 from tfaccum.backend.tensorflow.installation import ModelInstallation
-from tfaccum.patching import installed_on
 from tfaccum.backend.tensorflow.rollback import StepRollback
 from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.window import WindowState
 from tfaccum.backend.tensorflow.window_loss import check_window_loss_meets
 from tfaccum.backend.tensorflow.window_loss import window_loss_of
+from tfaccum.configuration import Configuration
+from tfaccum.counts import Counters
+from tfaccum.counts import with_counter_properties
+from tfaccum.install import warn_if_discarded
+from tfaccum.patching import installed_on
 
 
 @with_counter_properties
@@ -111,7 +109,7 @@ class AccumulationHook:
                                  sparse_rows=sparse_rows,
                                  dtype=configuration.dense_dtype)
         self.counts = self.state.counts
-        self.window = self.state.accumulators
+        self.accumulators = self.state.accumulators
         # The step is chosen once: a window-wide loss keeps each micro-batch's
         # forward pass (gradient caching) and its window's end replays them;
         # any other model's step hands its gradients to the accumulators.
@@ -183,15 +181,7 @@ class AccumulationHook:
         if not self.installed:
             return
         checks.check_removable(self.installation.loop_running, self.model)
-        pending = self.pending
-        if pending.micro_batches:
-            warnings.warn(
-                f"Removing the accumulation hook discards {pending.micro_batches} "
-                f"micro-batches ({pending.samples} samples) that were never "
-                "applied. Call `hook.flush()` (or `hook.drop()`) before "
-                "`hook.remove()` to decide what happens to them.",
-                stacklevel=2,
-            )
+        warn_if_discarded(self.pending)
         self.uninstall()
 
     def uninstall(self):

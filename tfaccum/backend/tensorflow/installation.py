@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.patching import HOOK_ATTRIBUTE
-from tfaccum.patching import InstancePatch
 from tfaccum.patching import installed_on
+from tfaccum.patching import InstancePatch
 
 
 class ModelInstallation:

@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tfaccum import items as items_api
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.patching import InstancePatch
 
@@ -98,38 +99,8 @@ MAX_ITEMS = 2**40
 
 
 def count_items(items):
-    """Tells gradient accumulation what this micro-batch's loss is an average over.
-
-    Call it inside a custom `train_step` or a custom loss, with the number of
-    items (tokens, pixels, ...) the micro-batch's loss was divided by. The
-    window then weights each micro-batch by it and divides by the window's
-    total, as one large batch would: Hugging Face's `num_items_in_batch`.
-    A micro-batch may count 0 items (every token masked): its loss must then
-    be 0, as Keras makes it. Outside a step that an accumulation hook traces,
-    it does nothing. It takes precedence over what tfaccum finds in Keras'
-    compiled losses. Call it once per step.
-
-    Args:
-        items: A whole number >= 0 and at most 2**40 (a Python or NumPy
-            number, or a scalar tensor, checked when the step runs): the
-            count this micro-batch's loss was divided by. Under a
-            `tf.distribute` strategy, this replica's count.
-
-    Returns:
-        `items`, unchanged, so that it can wrap the divisor in place.
-
-    Example:
-
-    ```python
-    class TokenMeanLoss(keras.losses.Loss):
-        def call(self, y_true, y_pred):
-            valid = ops.cast(y_true != -100, "float32")
-            per_token = ops.sparse_categorical_crossentropy(
-                ops.maximum(y_true, 0), y_pred) * valid
-            items = tfaccum.count_items(ops.sum(valid))
-            return ops.divide_no_nan(ops.sum(per_token), items)  # a token mean
-    ```
-    """
+    """TensorFlow's side of `tfaccum.count_items` (see it): tells the step tracing
+    in this thread."""
     if not tf.is_tensor(items):
         _check_number(items)
     count = getattr(_current, "count", None)
@@ -314,3 +285,6 @@ class OnceWarner:
             "exact.",
             stacklevel=4,
         )
+
+
+items_api.register(count_items)

@@ -25,8 +25,8 @@ import tensorflow as tf
 import tf_keras
 
 from tfaccum.backend.tensorflow import _keras
-from tfaccum.backend.tensorflow.moments import WindowedMoments
 from tfaccum.backend.tensorflow.moments import saved_as
+from tfaccum.backend.tensorflow.moments import WindowedMoments
 
 
 @tf_keras.saving.register_keras_serializable(package="tfaccum")
@@ -44,9 +44,9 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
     """
 
     def call(self, inputs, training=None, mask=None):
-        window = self._window
+        pooled = self._pooled
         training = tf.get_static_value(_keras.tf_keras_training_value(self, training))
-        if window is None or not training:
+        if pooled is None or not training:
             return super().call(inputs, training=training, mask=mask)
         inputs = tf.cast(inputs, self.compute_dtype)
         x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
@@ -57,7 +57,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
         else:
             mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
             share = (self._sample_count(x, mask, axes), mean, variance)
-        window.stage(*share)
+        pooled.stage(*share)
         shape = [1] * ndims
         for axis in self.axis:
             shape[axis] = x.shape[axis]
@@ -70,7 +70,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
             broadcast(self.gamma), self.epsilon)
         return tf.cast(outputs, inputs.dtype)
 
-    def _new_window(self, strategy):
+    def _new_pooled(self, strategy):
         unsupported = [name for name in ("renorm", "virtual_batch_size", "adjustment")
                        if getattr(self, name, None)]
         if unsupported:
@@ -80,7 +80,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
                 "not supported under gradient accumulation. Received: "
                 f"{name}={getattr(self, name)!r}"
             )
-        return super()._new_window(strategy)
+        return super()._new_pooled(strategy)
 
     def _window_variance(self, variance, count):
         if not self.fused:

@@ -46,8 +46,8 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
     """
 
     def call(self, inputs, training=None, mask=None):
-        window = self._window
-        if window is None or not (training and self.trainable):
+        pooled = self._pooled
+        if pooled is None or not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
             return super().call(inputs, training=training, mask=mask)  # its error
@@ -60,7 +60,7 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
         else:
             mean, variance = _keras.batch_norm_moments(self, inputs, mask)
             share = (self._sample_count(inputs, mask, axes), mean, variance)
-        window.stage(*share)
+        pooled.stage(*share)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(

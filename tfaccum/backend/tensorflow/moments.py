@@ -136,34 +136,34 @@ class BatchNormWindows(WindowObserver):
     per_replica = True  # each replica pools what its layers saw
 
     def __init__(self, layers, strategy):
-        self.windows = [(layer, layer._new_window(strategy)) for layer in layers]
+        self.pooled = [(layer, layer._new_pooled(strategy)) for layer in layers]
 
     def __repr__(self):
-        return f"BatchNormWindows({[layer.name for layer, _ in self.windows]})"
+        return f"BatchNormWindows({[layer.name for layer, _ in self.pooled]})"
 
     def on_micro_step(self, step):
-        for _, pooled in self.windows:
+        for _, pooled in self.pooled:
             pooled.commit()
 
     def on_leave_out(self, step):
-        for _, pooled in self.windows:
+        for _, pooled in self.pooled:
             pooled.discard()
 
     def on_apply(self, update):
-        for layer, _ in self.windows:
+        for layer, _ in self.pooled:
             layer._apply_window_moments()
 
     def on_reset(self):
-        for _, pooled in self.windows:
+        for _, pooled in self.pooled:
             pooled.reset()
 
     def on_install(self, hook):
-        for layer, pooled in self.windows:
-            layer._set_window(pooled)
+        for layer, pooled in self.pooled:
+            layer._set_pooled(pooled)
 
     def on_uninstall(self, hook):
-        for layer, _ in self.windows:
-            layer._set_window(None)
+        for layer, _ in self.pooled:
+            layer._set_pooled(None)
 
 
 def window_observers(model, strategy):
@@ -180,9 +180,9 @@ class WindowedMoments:
     window (`PooledMoments`) and leaves its moving statistics to the end of it.
     """
 
-    _window = None  # a PooledMoments while an accumulation hook is installed
+    _pooled = None  # a PooledMoments while an accumulation hook is installed
 
-    def _new_window(self, strategy):
+    def _new_pooled(self, strategy):
         if _keras.batch_norm_renorm(self):
             raise ValueError(
                 f"Layer {self.name!r}: AccumBatchNormalization with "
@@ -191,8 +191,8 @@ class WindowedMoments:
             )
         return PooledMoments(tuple(self.moving_mean.shape), strategy, name=self.name)
 
-    def _set_window(self, window):
-        object.__setattr__(self, "_window", window)  # untracked: not a weight
+    def _set_pooled(self, pooled):
+        object.__setattr__(self, "_pooled", pooled)  # untracked: not a weight
 
     @staticmethod
     def _sample_count(inputs, mask, axes):
@@ -241,7 +241,7 @@ class WindowedMoments:
 
     def _apply_window_moments(self):
         """Moves the moving statistics once, towards the window's moments."""
-        mean, variance, count = self._window.moments(across_replicas=self._synchronizes())
+        mean, variance, count = self._pooled.moments(across_replicas=self._synchronizes())
         variance = self._window_variance(variance, count)
         momentum = self.momentum
         self.moving_mean.assign(

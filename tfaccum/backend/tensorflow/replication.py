@@ -95,13 +95,13 @@ class OneDevice:
 
     def after_micro_step(self):
         """Ends the window if it is full (inside the step)."""
-        applied = tf.cond(self.state.is_full(), lambda: self.end_window(self.window()),
+        applied = tf.cond(self.state.is_full(), lambda: self.end_window(self.window_counts()),
                           lambda: tf.constant(False))
         _keras.keep_as_function_call(applied)
 
     # -- ending a window --------------------------------------------------------------
 
-    def window(self):
+    def window_counts(self):
         """The open window's counts, as its end reads them (this device's)."""
         return self.state.local()
 
@@ -184,12 +184,12 @@ class OneDevice:
 
     def flush_graph(self):
         """Ends the open window (run only when `pending` found micro-batches in it)."""
-        window = self.window()
+        window = self.window_counts()
         self.end_window(window, flushes=1)
         return window["window_micro_batches"], window["window_samples"]
 
     def drop_graph(self):
-        window = self.window()
+        window = self.window_counts()
         _keras.for_each_replica(self.strategy, self._drop_on_replica, args=(window,))
         return window["window_micro_batches"], window["window_samples"]
 
@@ -203,7 +203,7 @@ class OneDevice:
         return Window(counts["window_micro_batches"], counts["window_samples"])
 
     def pending_graph(self):
-        window = self.window()
+        window = self.window_counts()
         return window["window_micro_batches"], window["window_samples"]
 
 
@@ -284,7 +284,7 @@ class Replicas(OneDevice):
     def leave_out(self):
         """The loss scale is lowered at the window's end, alike on every replica."""
 
-    def window(self):
+    def window_counts(self):
         """The open window's counts summed over replicas (cross-replica)."""
         return self.state.reduced()
 
@@ -336,7 +336,7 @@ class Replicas(OneDevice):
         # window is applied.
         def decide(strategy):
             return tf.cond(self.state.is_full(),
-                           lambda: self.end_window(self.window()),
+                           lambda: self.end_window(self.window_counts()),
                            lambda: tf.constant(False))
 
         tf.distribute.get_replica_context().merge_call(decide)

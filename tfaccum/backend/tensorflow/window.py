@@ -12,12 +12,12 @@ import warnings
 
 import tensorflow as tf
 
+from tfaccum import reduction as _reduction
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow import gradients
-from tfaccum import reduction as _reduction
 from tfaccum.backend.tensorflow.accumulators import Accumulators
-from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.backend.tensorflow.observers import MicroStep
+from tfaccum.counts import WINDOW_COUNTS
 
 
 class OutputChannels:
@@ -48,61 +48,61 @@ class OutputChannels:
                  dtype=None):
         self.names = list(names)
         self.weights = [1.0 if w is None else float(w) for w in weights]
-        self.windows = [Accumulators(strategy, sparse_rows=sparse_rows, dtype=dtype)
+        self.channels = [Accumulators(strategy, sparse_rows=sparse_rows, dtype=dtype)
                         for _ in names]
         self._loss_share = loss_share
 
     def track(self, grads_per_output, variables):
-        for window, grads in zip(self.windows, grads_per_output):
-            window.track(grads, variables)
+        for channel, grads in zip(self.channels, grads_per_output):
+            channel.track(grads, variables)
 
     def add(self, grads_per_output, variables, counts, values):
         """Adds each output's gradient times its count (its loss as a sum)."""
-        for window, grads, count, value in zip(self.windows, grads_per_output, counts, values):
-            window.add(grads, variables, count, loss=value, items=count)
-            window.counts.add(window.counts.delta(window_items=count))
+        for channel, grads, count, value in zip(self.channels, grads_per_output, counts, values):
+            channel.add(grads, variables, count, loss=value, items=count)
+            channel.counts.add(channel.counts.delta(window_items=count))
 
     def global_read(self):
         """Each output's count and loss sum over every replica (cross-replica)."""
         return {
-            "channel_items": [w.counts.global_read()["window_items"] for w in self.windows],
-            "channel_loss_sums": [w.loss_sum.read_value()[0] for w in self.windows],
+            "channel_items": [c.counts.global_read()["window_items"] for c in self.channels],
+            "channel_loss_sums": [c.loss_sum.read_value()[0] for c in self.channels],
         }
 
     def _totals(self, totals):
         if totals is None:  # this replica's (all of them, on one)
-            totals = [window.counts.read()["window_items"] for window in self.windows]
+            totals = [channel.counts.read()["window_items"] for channel in self.channels]
         return [tf.maximum(tf.cast(total, tf.float64), 1.0) for total in totals]
 
     def combine(self, grads, totals=None):
-        """`grads` (the main window's, normalised) plus each output's, normalised.
+        """`grads` (the main accumulators', normalised) plus each output's, normalised.
 
         `totals`: each output's count over the window (`global_read()`'s), by
         default this replica's.
         """
-        for window, total in zip(self.windows, self._totals(totals)):
-            grads = [gradients.add(a, b) for a, b in zip(grads, window.gradients(total * self._loss_share))]
+        for channel, total in zip(self.channels, self._totals(totals)):
+            grads = [gradients.add(a, b) for a, b in zip(grads, channel.gradients(total * self._loss_share))]
         return grads
 
     def loss(self, totals=None, loss_sums=None):
         """The outputs' part of the window's loss: each weighted mean over its total."""
         if loss_sums is None:
-            loss_sums = [window.loss_sum.read_value()[0] for window in self.windows]
+            loss_sums = [channel.loss_sum.read_value()[0] for channel in self.channels]
         return tf.add_n([
             weight * loss_sum / total / self._loss_share
             for weight, loss_sum, total in zip(self.weights, loss_sums, self._totals(totals))
         ])
 
     def scale(self, factor):
-        for window in self.windows:
-            window.scale(factor)
+        for channel in self.channels:
+            channel.scale(factor)
 
     def reset(self):
-        for window in self.windows:
-            window.zero()
+        for channel in self.channels:
+            channel.zero()
 
     def nbytes(self):
-        return sum(window.nbytes() for window in self.windows)
+        return sum(channel.nbytes() for channel in self.channels)
 
 
 class WindowState:
@@ -198,8 +198,8 @@ class WindowState:
                     sparse_rows=self.accumulators.sparse_rows, loss_share=self.loss_share,
                     dtype=self.accumulators.dtype)
                 if strategy is not None:  # cross-replica: dense, as the main window's
-                    for window in channels.windows:
-                        window.create_dense([v for v in micro.variables
+                    for channel in channels.channels:
+                        channel.create_dense([v for v in micro.variables
                                              if self.accumulators.has_accumulator(v)])
                 self.channels = channels
 

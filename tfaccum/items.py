@@ -1,0 +1,71 @@
+"""`count_items()`: a custom loss or step says what its micro-batch's loss averaged over.
+
+The step that traces (TensorFlow's or JAX's) takes what it is told: a backend
+registers how it listens (`register`), or collects the counts said while it
+traces (`collected`).
+"""
+
+import contextlib
+import threading
+
+_listening = threading.local()  # a list of counts, while a step collects them
+_registered = []  # backends' own `count_items`, told in turn
+
+
+def count_items(items):
+    """Tells gradient accumulation what this micro-batch's loss is an average over.
+
+    Call it inside a custom `train_step` or a custom loss, with the number of
+    items (tokens, pixels, ...) the micro-batch's loss was divided by. The
+    window then weights each micro-batch by it and divides by the window's
+    total, as one large batch would: Hugging Face's `num_items_in_batch`.
+    A micro-batch may count 0 items (every token masked): its loss must then
+    be 0, as Keras makes it. Outside a step that an accumulation hook traces,
+    it does nothing. It takes precedence over what tfaccum finds in Keras'
+    compiled losses. Call it once per step.
+
+    Args:
+        items: A whole number >= 0 and at most 2**40 (a Python or NumPy
+            number, or a scalar tensor, checked when the step runs): the
+            count this micro-batch's loss was divided by. Under a
+            `tf.distribute` strategy, this replica's count. On JAX it must
+            depend on the data only (a count does), not on the weights.
+
+    Returns:
+        `items`, unchanged, so that it can wrap the divisor in place.
+
+    Example:
+
+    ```python
+    class TokenMeanLoss(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            valid = ops.cast(y_true != -100, "float32")
+            per_token = ops.sparse_categorical_crossentropy(
+                ops.maximum(y_true, 0), y_pred) * valid
+            items = tfaccum.count_items(ops.sum(valid))
+            return ops.divide_no_nan(ops.sum(per_token), items)  # a token mean
+    ```
+    """
+    counts = getattr(_listening, "counts", None)
+    if counts is not None:
+        counts.append(items)
+        return items
+    for told in _registered:
+        told(items)
+    return items
+
+
+def register(count_items_of_backend):
+    """Has `count_items` also tell a backend's own (TensorFlow's)."""
+    if count_items_of_backend not in _registered:
+        _registered.append(count_items_of_backend)
+
+
+@contextlib.contextmanager
+def collected():
+    """Collects the counts said while a step traces in this thread (JAX's)."""
+    _listening.counts = counts = []
+    try:
+        yield counts
+    finally:
+        _listening.counts = None
