@@ -16,14 +16,10 @@ from tfaccum.backend.jax import _keras
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.backend.jax.observers import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
-from tfaccum.configuration import Configuration
-from tfaccum.counts import Counters
+from tfaccum.hook_front import HookFront
 from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import Window
 from tfaccum.counts import WINDOW_COUNTS
-from tfaccum.counts import with_counter_properties
-from tfaccum.install import warn_if_discarded
-from tfaccum.patching import installed_on
 
 
 class HostCounts:
@@ -59,8 +55,7 @@ class HostCounts:
         self.items = jnp.zeros(2, jnp.int32)
 
 
-@with_counter_properties
-class AccumulationHook:
+class AccumulationHook(HookFront):
     """Makes a compiled model on Keras' JAX backend update once per window of micro-batches.
 
     As `tfaccum.AccumulationHook` on TensorFlow (see it for the arguments and
@@ -70,24 +65,9 @@ class AccumulationHook:
     (`check_served`), before anything on the model changes.
     """
 
-    def __init__(self, model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                 sparse_gradients="rows", accumulator_dtype="float32", observers=()):
-        configuration = Configuration.resolve(
-            reduction=reduction, skip_nonfinite=skip_nonfinite,
-            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
-            observers=[type(observer) for observer in observers])
-        self._make(model, configuration, observers, accumulation_steps)
+    backend_name = "jax"
 
-    @classmethod
-    def made_with(cls, model, configuration, observers, *, accumulation_steps):
-        """A hook of a resolved `Configuration`, with its `observers` made (the callback's)."""
-        hook = cls.__new__(cls)
-        hook._make(model, configuration, observers, accumulation_steps)
-        return hook
-
-    def _make(self, model, configuration, observers, accumulation_steps):
-        api = keras_models.api_for_model_argument(model, "model")
-        checks.check_compiled(model, api, installed_on(model))
+    def _make(self, model, api, configuration, observers, accumulation_steps):
         check_served(model, configuration, observers)
         configuration.reduction.check(model)
         self.model = model
@@ -105,15 +85,6 @@ class AccumulationHook:
 
     # -- installation ---------------------------------------------------
 
-    @staticmethod
-    def installed_on(model):
-        """The hook installed on `model`, or `None`."""
-        return installed_on(model)
-
-    @property
-    def installed(self):
-        return self.installation.installed
-
     def _install(self):
         for observer in self.observers:
             observer.on_install(self)
@@ -122,47 +93,15 @@ class AccumulationHook:
         # one more per update (the summaries' steps).
         self._iterations = int(np.asarray(self.model.optimizer.iterations.value))
 
-    def can_reinstall(self):
-        """Whether `reinstall()` can reuse this hook's compiled steps."""
-        return self.installation.can_reinstall()
-
-    def reinstall(self):
-        """Installs this hook again with zeroed counters, reusing its compiled steps."""
-        checks.check_reinstallable(self.can_reinstall(), self.model)
+    def _zero(self):
         self.counts.zero()
-        self._accumulators = None
-        self._observed = None
-        for observer in self.observers:
-            observer.on_reset()
-        self._install()
-
-    def remove(self):
-        """Restores the plain model. Warns if a window was left pending."""
-        if not self.installed:
-            return
-        checks.check_removable(self.installation.loop_running, self.model)
-        warn_if_discarded(self.pending)
-        self.uninstall()
+        self._accumulators = self._observed = None
 
     def uninstall(self):
-        """Puts the model back as it was, whatever is pending; observers are told first."""
         try:
-            for observer in self.observers:
-                observer.on_uninstall(self)
+            super().uninstall()
         finally:
-            self.installation.uninstall()
-            self._accumulators = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        if exc_type is None:
-            self.flush()
-        else:
-            self.drop()
-        self.remove()
-        return False
+            self._accumulators = None  # the window's memory, freed (observers are read after)
 
     # -- configuration and counters ---------------------------------------------------
 
@@ -173,11 +112,6 @@ class AccumulationHook:
     def set_accumulation_steps(self, accumulation_steps):
         """Sets the window length used from the next micro-batch on."""
         self._steps = checks.check_steps(accumulation_steps)
-
-    @property
-    def counters(self):
-        """The counters now, as one `Counters` snapshot (host integers)."""
-        return Counters.read(self.counts)
 
     def observer_state(self, observer):
         """`observer`'s device state now, or `None` before the first micro-batch."""
@@ -196,14 +130,6 @@ class AccumulationHook:
         """The `Window` accumulated but not yet applied."""
         values = self.counts.values
         return Window(values["window_micro_batches"], values["window_samples"])
-
-    def __repr__(self):
-        counters = self.counters
-        return (f"AccumulationHook(model={self.model.name!r}, "
-                f"accumulation_steps={self.accumulation_steps}, "
-                f"reduction={self.reduction!r}, installed={self.installed}, "
-                f"micro_steps={counters.micro_steps}, "
-                f"optimizer_steps={counters.optimizer_steps}, backend='jax')")
 
     # -- the train function ---------------------------------------------------------
 

@@ -21,15 +21,10 @@ from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.window import WindowState
 from tfaccum.backend.tensorflow.window_loss import check_window_loss_meets
 from tfaccum.backend.tensorflow.window_loss import window_loss_of
-from tfaccum.configuration import Configuration
-from tfaccum.counts import Counters
-from tfaccum.counts import with_counter_properties
-from tfaccum.install import warn_if_discarded
-from tfaccum.patching import installed_on
+from tfaccum.hook_front import HookFront
 
 
-@with_counter_properties
-class AccumulationHook:
+class AccumulationHook(HookFront):
     """Makes a compiled model update its weights once per window of micro-batches.
 
     Creating the hook installs it: the gradients the model's `train_step`
@@ -71,25 +66,6 @@ class AccumulationHook:
         model.fit(x, y, batch_size=8, epochs=3)
     ```
     """
-
-    def __init__(self, model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                 sparse_gradients="rows", accumulator_dtype="float32", observers=()):
-        api = _keras.api_for_model_argument(model, "model")
-        checks.check_compiled(model, api, installed_on(model))
-        configuration = Configuration.resolve(
-            reduction=reduction, skip_nonfinite=skip_nonfinite,
-            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
-            observers=[type(observer) for observer in observers])
-        self._make(model, api, configuration, observers, accumulation_steps)
-
-    @classmethod
-    def made_with(cls, model, configuration, observers, *, accumulation_steps):
-        """A hook of a resolved `Configuration`, with its `observers` made (the callback's)."""
-        api = _keras.api_for_model_argument(model, "model")
-        checks.check_compiled(model, api, installed_on(model))
-        hook = cls.__new__(cls)
-        hook._make(model, api, configuration, observers, accumulation_steps)
-        return hook
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
         optimizer = model.optimizer
@@ -133,16 +109,6 @@ class AccumulationHook:
 
     # -- installation ---------------------------------------------------
 
-    @staticmethod
-    def installed_on(model):
-        """The hook installed on `model`, or `None`."""
-        return installed_on(model)
-
-    @property
-    def installed(self):
-        """Whether the hook is installed on its model now."""
-        return self.installation.installed
-
     def _install(self):
         # Observers first: a layer's window must be in place before the
         # train step traces.
@@ -151,61 +117,9 @@ class AccumulationHook:
         self._rollback.arm()
         self.installation.install()
 
-    def can_reinstall(self):
-        """Whether `reinstall()` can reuse this hook's compiled step.
-
-        True unless the hook is installed, the model was compiled again, or
-        its trainable variables or execution settings changed since.
-        """
-        return self.installation.can_reinstall()
-
-    def reinstall(self):
-        """Installs this hook again with zeroed counters, reusing its traced step.
-
-        Saves re-tracing the train function when the same model is fitted
-        again (for example `fit` called once per epoch).
-        """
-        checks.check_reinstallable(self.can_reinstall(), self.model)
+    def _zero(self):
         self.state.zero()
         self._replication.zero()
-        for observer in self.observers:
-            observer.on_reset()
-        self._install()
-
-    def remove(self):
-        """Restores the plain model. Warns if a window was left pending.
-
-        Raises an error when called while the model's `fit` is running (from
-        a callback): the running `fit` needs the train function it has.
-        """
-        if not self.installed:
-            return
-        checks.check_removable(self.installation.loop_running, self.model)
-        warn_if_discarded(self.pending)
-        self.uninstall()
-
-    def uninstall(self):
-        """Puts the model back as it was, whatever is pending; observers are told first.
-
-        The model is restored even if an observer raises (e.g. summaries
-        that cannot be written); the error then propagates.
-        """
-        try:
-            for observer in self.observers:
-                observer.on_uninstall(self)
-        finally:
-            self.installation.uninstall()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        if exc_type is None:
-            self.flush()
-        else:
-            self.drop()
-        self.remove()
-        return False
 
     # -- configuration ----------------------------------------------------
 
@@ -220,11 +134,6 @@ class AccumulationHook:
     # -- counters -----------------------------------------------------------
 
     @property
-    def counters(self):
-        """The counters now, as one `Counters` snapshot (a single device read)."""
-        return Counters.read(self.counts)
-
-    @property
     def pending(self):
         """The `Window` accumulated but not yet applied.
 
@@ -232,14 +141,6 @@ class AccumulationHook:
         must read it (as it must call `flush()` and `drop()`).
         """
         return self._ends.pending()
-
-    def __repr__(self):
-        counters = self.counters
-        return (f"AccumulationHook(model={self.model.name!r}, "
-                f"accumulation_steps={self.accumulation_steps}, "
-                f"reduction={self.reduction!r}, installed={self.installed}, "
-                f"micro_steps={counters.micro_steps}, "
-                f"optimizer_steps={counters.optimizer_steps})")
 
     # -- the per-step graph -------------------------------------------------------
 

@@ -100,8 +100,9 @@ MAX_ITEMS = 2**40
 
 def count_items(items):
     """TensorFlow's side of `tfaccum.count_items` (see it): tells the step tracing
-    in this thread."""
-    if not tf.is_tensor(items):
+    in this thread. Another framework's tensor (a JAX model's loss, which a
+    JAX step collects) is no business of this one's."""
+    if not tf.is_tensor(items) and not _other_tensor(items):
         _check_number(items)
     count = getattr(_current, "count", None)
     if count is not None:
@@ -114,6 +115,12 @@ def _refuse(error, problem, items):
         f"`count_items()` takes what one micro-batch's loss was divided by: {problem}. "
         f"Received: items={items!r}"
     )
+
+
+def _other_tensor(items):
+    """Whether `items` is a tensor of another framework (not NumPy's)."""
+    return (hasattr(items, "shape") and hasattr(items, "dtype")
+            and not isinstance(items, (np.ndarray, np.generic)))
 
 
 def _check_number(items):
