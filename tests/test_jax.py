@@ -409,3 +409,21 @@ def test_a_reduction_that_fails_at_the_first_window_end_leaves_a_plain_model():
 
     x, y = make_data(n=32)
     refused_then_plain(model_builder("sgd"), x, y, "cannot divide", reduction=Failing())
+
+
+def test_a_train_step_of_its_own_is_refused_by_name():
+    # Keras' JAX trainer passes the state through `train_step(state, data)`;
+    # the accumulating step computes the gradients itself and would skip it.
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            logs, state = super().train_step(state, data)
+            return dict(logs, mine=1.0), state
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = OwnStep([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    x, y = make_data(n=32)
+    refused_then_plain(build, x, y, r"OwnStep.train_step")

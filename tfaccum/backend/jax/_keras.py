@@ -151,3 +151,16 @@ def toolkit_parts(model):
     losses = [type(loss).__name__ for loss in keras.tree.flatten(getattr(model, "loss", None))
               if type(loss).__module__.startswith("tfaccum.")]
     return layers + losses
+
+
+def own_train_step(model):
+    """The class that overrides Keras' JAX `train_step`, or `None` (private:
+    `keras.src.backend.jax.trainer.JAXTrainer`, Keras 3.7-3.15)."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    for cls in type(model).__mro__:
+        if cls is JAXTrainer:
+            return None
+        if "train_step" in vars(cls):
+            return cls.__name__
+    return None

@@ -255,6 +255,11 @@ def check_served(model, configuration, observers):
     if others:
         refuse(f"observers made for TensorFlow ({others})",
                "Pass the JAX backend's (tfaccum.backend.jax.observers).")
+    own = _keras.own_train_step(model)
+    if own is not None:
+        refuse(f"a `train_step` of its own ({own}.train_step: the JAX step computes the "
+               "gradients itself, so yours would not run)",
+               "Leave Keras' train_step (override compute_loss instead).")
     toolkit = _keras.toolkit_parts(model)
     if toolkit:
         refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses)",
