@@ -59,6 +59,24 @@ LEFTOVER_LABELS = {
 ADVICE_BAND = 2.0
 
 
+def leftover_points(policy, window, micro_steps, updates, nonfinite):
+    """`(series name, kind, value)` of one leftover event and the counters then.
+
+    Args:
+        policy: One of `LEFTOVER_POLICIES`.
+        window: `(micro_batches, samples)` flushed, carried or dropped.
+        micro_steps, updates, nonfinite: Counted so far in this fit;
+            micro-steps after the last update (dropped or carried) count too.
+    """
+    points = [(name, kind, value) for (name, kind), value in zip(
+        LEFTOVER_SERIES, (LEFTOVER_POLICIES.index(policy), *window))]
+    return points + [
+        ("micro_steps", Kind.MICRO_STEPS, micro_steps),
+        ("skipped_updates", Kind.SKIPPED_UPDATES, micro_steps - updates),
+        ("nonfinite_skips", Kind.NONFINITE_SKIPS, nonfinite),
+    ]
+
+
 def suggested_accumulation_steps(noise_scale, micro_batch):
     """The `accumulation_steps` whose effective batch is closest to B_simple.
 

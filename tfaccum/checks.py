@@ -299,4 +299,3 @@ def check_write_interval(write_interval):
             f"Received: write_interval={write_interval!r}"
         )
     return float(write_interval)
-

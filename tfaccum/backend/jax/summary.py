@@ -174,13 +174,7 @@ class AccumulationSummaries(WindowObserver):
     def write_leftover(self, step, policy, window, micro_steps, updates, nonfinite):
         """Writes one leftover event and the counters at that moment (as TensorFlow's)."""
         self.write()  # earlier steps first: each series' steps must not go back
-        points = [(name, kind, value) for (name, kind), value in zip(
-            metadata.LEFTOVER_SERIES, (metadata.LEFTOVER_POLICIES.index(policy), *window))]
-        points += [
-            ("micro_steps", metadata.Kind.MICRO_STEPS, micro_steps),
-            ("skipped_updates", metadata.Kind.SKIPPED_UPDATES, micro_steps - updates),
-            ("nonfinite_skips", metadata.Kind.NONFINITE_SKIPS, nonfinite),
-        ]
+        points = metadata.leftover_points(policy, window, micro_steps, updates, nonfinite)
         writer = self._get_writer()
         for name, kind, value in points:
             writer.add_event(_event(metadata.TAG_PREFIX + name, float(value), step,

@@ -272,19 +272,7 @@ class AccumulationSummaries(WindowObserver):
             nonfinite: Micro-batches left out so far in this fit.
         """
         self.write()  # earlier steps first: each series' steps must not go back
-        points = [
-            (name, kind, value)
-            for (name, kind), value in zip(
-                metadata.LEFTOVER_SERIES,
-                (metadata.LEFTOVER_POLICIES.index(policy), *window),
-            )
-        ]
-        # Micro-steps after the last update (dropped or carried) count too.
-        points += [
-            ("micro_steps", metadata.Kind.MICRO_STEPS, micro_steps),
-            ("skipped_updates", metadata.Kind.SKIPPED_UPDATES, micro_steps - updates),
-            ("nonfinite_skips", metadata.Kind.NONFINITE_SKIPS, nonfinite),
-        ]
+        points = metadata.leftover_points(policy, window, micro_steps, updates, nonfinite)
         with self._get_writer().as_default():
             for name, kind, value in points:
                 _write_scalar(
