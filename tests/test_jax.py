@@ -427,3 +427,39 @@ def test_a_train_step_of_its_own_is_refused_by_name():
 
     x, y = make_data(n=32)
     refused_then_plain(build, x, y, r"OwnStep.train_step")
+
+
+def regularized_sequence_model():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True),
+        keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.5)),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_micro_batches_that_count_no_token_weigh_as_in_the_large_batch():
+    # Windows of 3 micro-batches of 4: the first window opens with a fully
+    # masked micro-batch (its gradient is the regularizer's alone), the second
+    # is masked whole (the large batch's loss is the regularizer's).
+    x, y = sequences(24)
+    x[:4] = 0
+    x[12:24] = 0
+    result = compare(regularized_sequence_model, x, y, micro=4, steps=3, epochs=2)
+    assert result.diff < TOL
+    assert result.moved(regularized_sequence_model) > 1e-2
+    assert result.callback.counters.items == 2 * int(np.sum(x != 0))
+
+
+def test_a_one_sample_micro_batch_and_one_of_zero_weights():
+    # 33 samples in micro-batches of 8: the last holds one sample; the
+    # second's sample weights are all zero.
+    x, y = make_data(n=33)
+    weights = np.ones(33, "float32")
+    weights[8:16] = 0.0
+    result = compare(model_builder(), x, y, micro=8, steps=3, epochs=2, sample_weight=weights)
+    assert result.diff < TOL
+    assert result.moved(model_builder()) > 1e-2

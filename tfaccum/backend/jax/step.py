@@ -96,9 +96,13 @@ class CompiledSteps:
         weight = self.reduction.weight(samples, added, window_counts(open_window))
         if weight is not None:
             grads = [g * jnp.asarray(weight, g.dtype) for g in grads]
-        # A window's first micro-batch overwrites what the last window left.
-        first = open_window[0] == 0
-        accumulators = [jnp.where(first, 0.0, a) + g.astype(a.dtype)
+        # A window's first micro-batch overwrites what the last window left;
+        # so does the first that counts items after micro-batches that
+        # counted none (their weight was a stand-in: `reduction.Auto`).
+        restart = open_window[0] == 0
+        if self.reduction.counts_items:
+            restart = restart | ((open_window[2] <= 0) & (added > 0))
+        accumulators = [jnp.where(restart, 0.0, a) + g.astype(a.dtype)
                         for a, g in zip(accumulators, grads)]
         logs, metrics = _keras.update_metrics(model, metrics, loss, unpacked, y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
