@@ -463,3 +463,176 @@ def test_a_one_sample_micro_batch_and_one_of_zero_weights():
     result = compare(model_builder(), x, y, micro=8, steps=3, epochs=2, sample_weight=weights)
     assert result.diff < TOL
     assert result.moved(model_builder()) > 1e-2
+
+
+# -- several devices: keras.distribution.DataParallel --------------------------------
+
+
+def data_parallel(build, x, y, *, micro, steps, epochs=1, sample_weight=None, **callback_kwargs):
+    """tfaccum under `DataParallel` on the two CPU devices (conftest.py), against
+    plain Keras on one device at the global window."""
+    from reference import Comparison
+    from reference import fit_accumulated
+
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=steps, **callback_kwargs)
+    with keras.distribution.DataParallel().scope():
+        model = build()
+        ours, callback = fit_accumulated(model, x, y, micro=micro, steps=steps, epochs=epochs,
+                                         callback=callback, sample_weight=sample_weight)
+    updates = windows(len(x), micro, steps, epochs, callback_kwargs.get("leftover", "flush"))
+    reference = build()
+    theirs = train_large_batches(reference, x, y, updates, sample_weight=sample_weight)
+    return Comparison(model=model, reference=reference, callback=callback, ours=ours,
+                      theirs=theirs, updates=updates)
+
+
+@pytest.mark.parametrize("reduction", ["auto", "mean", "sum"])
+def test_data_parallel_equals_one_device_at_the_global_window(reduction):
+    # 88 samples in micro-batches of 8 (4 on each device), windows of 3: each
+    # epoch ends with a window of two micro-batches, flushed. Sample weights
+    # differ between the devices' shares.
+    loss = keras.losses.MeanSquaredError(reduction="sum") if reduction == "sum" else "mse"
+
+    def build():
+        return make_model(optimizer="adam", loss=loss, metrics=["mae"])
+
+    x, y = make_data(n=88)
+    weights = np.linspace(0.0, 2.0, 88).astype("float32")
+    result = data_parallel(build, x, y, micro=8, steps=3, epochs=2, sample_weight=weights,
+                           reduction=reduction, noise_scale=False)
+    assert len(result.ours) == 2 * 4
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-2
+    assert result.callback.counters.samples == 176
+    assert result.callback.counters.optimizer_steps == 8
+
+
+def test_data_parallel_counts_each_devices_tokens():
+    # The devices' shares hold different numbers of tokens: each weighs what
+    # it counted. The first device's shares of the first window count none
+    # (rows 0-1, 4-5, 8-9), those of the second window's first micro-batch
+    # neither (rows 12-13): what they added (the regularizer's gradient) is
+    # not the large batch's.
+    x, y = sequences(48)
+    x[[0, 1, 4, 5, 8, 9, 12, 13]] = 0
+    result = data_parallel(regularized_sequence_model, x, y, micro=4, steps=3, epochs=2)
+    assert result.diff < TOL
+    assert result.moved(regularized_sequence_model) > 1e-2
+    assert result.callback.counters.items == 2 * int(np.sum(x != 0))
+
+
+def compiled_text(function, *args):
+    return function.lower(*args).compile().as_text()
+
+
+def all_reduced_elements(hlo):
+    """Elements each all-reduce of a compiled module reduces, summed."""
+    import re
+
+    total = 0
+    for line in hlo.splitlines():
+        if " all-reduce(" not in line and " all-reduce-start(" not in line:
+            continue
+        shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", line.split("=", 1)[1].split("all-reduce")[0])
+        for dims in shapes:
+            total += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def test_data_parallel_reduces_gradients_once_per_update():
+    # Counted in the compiled (partitioned) programs: a micro-step all-reduces
+    # a few scalars (the loss, the counts), a window's end the gradient once.
+    import jax
+
+    x, y = make_data(n=32)
+    with keras.distribution.DataParallel().scope():
+        model = make_model(optimizer="adam", loss="mse")
+        hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        steps = hook._compiled
+        state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                     optimizer_variables=True, metrics_variables=True)
+        data = jax.device_put((x[:8], y[:8]), hook.devices.batch_sharding())
+        micro = compiled_text(steps.accumulate, state, hook._accumulators, hook._observed,
+                              hook.counts.items, data, hook.counts.window_vector(),
+                              np.int32(8))
+        end = compiled_text(steps.normalize, hook._accumulators, hook._observed,
+                            hook.counts.items, hook.counts.window_vector())
+        keras_step = compiled_text(jax.jit(model.train_step), state, data)
+        tfaccum.remove_accumulation_hook(model)
+    assert all_reduced_elements(micro) <= 8
+    assert all_reduced_elements(end) >= parameters
+    assert all_reduced_elements(keras_step) >= parameters  # plain Keras: every step
+
+
+def with_batch_norm():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def model_parallel():
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["no_variable_here"] = (None, "model")  # the model's widths are odd
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("distribution, build, match", [
+    # Each device's statistics are not the micro-batch's (Keras' own
+    # DataParallel normalises over the whole micro-batch).
+    (keras.distribution.DataParallel, with_batch_norm, "BatchNormalization"),
+    (model_parallel, model_builder(), "ModelParallel"),
+])
+def test_what_several_devices_do_not_serve_is_refused_by_name(distribution, build, match):
+    x, y = make_data(n=32)
+    with distribution().scope():
+        refused_then_plain(build, x, y, match)
+
+
+def test_data_parallel_meets_ema_clipping_steps_per_execution_and_the_dashboard(tmp_path):
+    from reference import read_run
+
+    def build():
+        return make_model(optimizer=lambda: keras.optimizers.AdamW(
+            0.01, use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.1),
+            steps_per_execution=2)
+
+    x, y = make_data(n=88)
+    result = data_parallel(build, x, y, micro=8, steps=3, epochs=2,
+                           log_dir=str(tmp_path), noise_scale=True)
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-2
+    callback = result.callback
+    # Each device's share is a micro-batch to the noise scale's estimate.
+    assert callback.noise_scale is not None and callback.noise_scale > 0
+    series, _ = read_run(str(tmp_path))
+    steps = [step for step, _ in series["accumulation/window_micro_batches"]]
+    assert steps == list(range(1, 9))
+    assert [int(v) for _, v in series["accumulation/window_samples"]] == [24, 24, 24, 16] * 2
+    assert int(series["accumulation/micro_steps"][-1][1]) == callback.micro_steps == 22
+
+
+def test_data_parallel_draws_each_devices_own_dropout_masks():
+    # The devices' shares hold the same samples: with one seed they would
+    # drop the same units, and the two halves of a micro-batch would give the
+    # same gradient.
+    import jax
+
+    keras.utils.set_random_seed(2)
+    with keras.distribution.DataParallel().scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        hook = tfaccum.install_accumulation_hook(model, accumulation_steps=2)
+        x, y = make_data(n=4)
+        x, y = np.concatenate([x, x]), np.concatenate([y, y])  # rows 0-3 as 4-7
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        halves = [np.asarray(shard.data) for shard in hook._accumulators[0].addressable_shards]
+        hook.drop()
+        tfaccum.remove_accumulation_hook(model)
+    assert len(jax.devices()) == 2 and len(halves) == 2
+    assert np.max(np.abs(halves[0] - halves[1])) > 1e-3

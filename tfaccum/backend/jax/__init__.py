@@ -1,12 +1,14 @@
 """Keras 3's JAX backend: the host counts the window and picks a compiled step.
 
 `hook.py` (the hook, the same public surface as TensorFlow's), `step.py`
-(the compiled functions: accumulate, accumulate and apply, apply),
-`installation.py` (the train function swapped in), `observers.py` (the
-noise scale's estimator), `summary.py` (the dashboard's series) and `_keras.py` (what the
-JAX trainer is read for). The names below are what the callback asks of a
-backend; an observer the backend does not make yet is `None` (the callback
-then refuses the option that asks for it, by name).
+(the compiled functions: accumulate, normalize, apply), `parallel.py` (one
+device, or `keras.distribution.DataParallel`'s devices, each with its own
+partial sums), `installation.py` (the train function swapped in),
+`observers.py` (the noise scale's estimator), `summary.py` (the dashboard's
+series) and `_keras.py` (what the JAX trainer is read for). The names below
+are what the callback asks of a backend; an observer the backend does not
+make yet is `None` (the callback then refuses the option that asks for it,
+by name).
 """
 
 from tfaccum.backend.jax.hook import AccumulationHook  # noqa: F401

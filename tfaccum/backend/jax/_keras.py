@@ -82,9 +82,30 @@ def batch_size(data):
     return int(first.shape[0])
 
 
-def distributed():
-    """Whether a `keras.distribution` is set (several devices)."""
-    return keras.distribution.distribution() is not None
+def distribution():
+    """The `keras.distribution` set now, or `None` (public)."""
+    return keras.distribution.distribution()
+
+
+def data_parallel(distribution):
+    """Whether `distribution` is `keras.distribution.DataParallel` (public)."""
+    return isinstance(distribution, keras.distribution.DataParallel)
+
+
+def batch_norm_layers(model):
+    """The names of `model`'s `BatchNormalization` layers (public classes)."""
+    return [layer.name for layer in flatten_layers(model)
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def offset_seeds(model, non_trainable, offset):
+    """`non_trainable` with every random seed moved by `offset` (a device's
+    index), so that each device draws its own dropout masks. A
+    `keras.random.SeedGenerator` keeps `[seed, counter]` in a variable named
+    `seed_generator_state` (public: its `state`)."""
+    return [value.at[0].add(offset.astype(value.dtype))
+            if variable.name == "seed_generator_state" else value
+            for variable, value in zip(model.non_trainable_variables, non_trainable)]
 
 
 @contextlib.contextmanager

@@ -7,12 +7,14 @@ host counts the window and picks a compiled step for each micro-batch
 step and updated in place.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tfaccum import _keras as keras_models
 from tfaccum import checks
 from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.backend.jax.observers import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
@@ -26,15 +28,17 @@ class HostCounts:
     """The hook's counts: host integers (the host decides where windows end), but
     for what the losses averaged over (`window_items`, `items`), which the
     compiled step counts on the device (`items`: a vector of the two) and a
-    read fetches, so that no micro-step waits for the device."""
+    read fetches, so that no micro-step waits for the device. Under
+    `DataParallel` each device counts its own share's (`parallel.py`)."""
 
-    def __init__(self):
+    def __init__(self, devices):
+        self.devices = devices
         self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
-        self.items = jnp.zeros(2, jnp.int32)
+        self.items = devices.zeros((2,), jnp.int32)
 
     def numpy(self):
         """The counts now, as `{name: int}` (one device read)."""
-        window_items, items = (int(value) for value in np.asarray(self.items))
+        window_items, items = (int(value) for value in self.devices.read(self.items))
         return dict(self.values, window_items=window_items, items=items)
 
     def window_vector(self):
@@ -52,7 +56,10 @@ class HostCounts:
     def zero(self):
         for name in self.values:
             self.values[name] = 0
-        self.items = jnp.zeros(2, jnp.int32)
+        self.items = self.devices.zeros((2,), jnp.int32)
+
+    def forget_window_items(self):
+        self.items = self.items.at[..., 0].set(0)
 
 
 class AccumulationHook(HookFront):
@@ -74,12 +81,14 @@ class AccumulationHook(HookFront):
         self.configuration = configuration
         self.reduction = configuration.reduction
         self.observers = list(observers)
-        self.counts = HostCounts()
+        self.devices = parallel.for_distribution(_keras.distribution())
+        self.counts = HostCounts(self.devices)
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch
         self._observed = None  # the observers' device states, likewise
         self._compiled = CompiledSteps(model, self.reduction, self.observers,
-                                       jit=model.jit_compile and not model.run_eagerly)
+                                       jit=model.jit_compile and not model.run_eagerly,
+                                       devices=self.devices)
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -147,7 +156,7 @@ class AccumulationHook(HookFront):
     def _micro_step(self, state, data):
         samples = _keras.batch_size(data)
         if self._accumulators is None:
-            self._accumulators = [jnp.zeros(v.shape, "float32") for v in state[0]]
+            self._accumulators = [self.devices.zeros(v.shape, "float32") for v in state[0]]
         if self._observed is None:
             self._observed = tuple(observer.initial() for observer in self.observers)
         counts = self.counts
@@ -229,7 +238,7 @@ class AccumulationHook(HookFront):
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.end_window()
-            self.counts.items = self.counts.items.at[0].set(0)
+            self.counts.forget_window_items()
             for observer in self.observers:
                 observer.on_reset()
         return window
@@ -237,10 +246,11 @@ class AccumulationHook(HookFront):
 
 def check_served(model, configuration, observers):
     """Refuses, by name, what the JAX backend does not serve yet."""
-    def refuse(what, fix):
+    def refuse(what, fix, on_tensorflow=True):
+        served = (" (On the TensorFlow backend it is served: KERAS_BACKEND=tensorflow.)"
+                  if on_tensorflow else "")
         raise ValueError(
-            f"tfaccum on Keras' JAX backend does not serve {what} yet. {fix} "
-            "(On the TensorFlow backend it is served: KERAS_BACKEND=tensorflow.)")
+            f"tfaccum on Keras' JAX backend does not serve {what} yet. {fix}{served}")
 
     if configuration.skip_nonfinite:
         refuse("skip_nonfinite=True", "Leave skip_nonfinite=None.")
@@ -249,8 +259,19 @@ def check_served(model, configuration, observers):
     if configuration.accumulator_dtype != "float32":
         refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}",
                "Use accumulator_dtype=\"float32\".")
-    if _keras.distributed():
-        refuse("a keras.distribution (several devices)", "Train on one device.")
+    distribution = _keras.distribution()
+    if distribution is not None:
+        if not _keras.data_parallel(distribution):
+            refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
+                   "devices)", "Use keras.distribution.DataParallel, or one device.", on_tensorflow=False)
+        if jax.process_count() > 1:
+            refuse(f"several processes ({jax.process_count()}) under DataParallel",
+                   "Train on the devices of one process.", on_tensorflow=False)
+        batch_norm = _keras.batch_norm_layers(model)
+        if batch_norm:
+            refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "
+                   "would normalise by its own share's statistics, not the micro-batch's as "
+                   "Keras does)", "Use LayerNormalization, or one device.", on_tensorflow=False)
     others = sorted({type(o).__name__ for o in observers if not isinstance(o, WindowObserver)})
     if others:
         refuse(f"observers made for TensorFlow ({others})",

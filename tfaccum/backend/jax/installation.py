@@ -1,5 +1,6 @@
 """What a hook sets on a model on JAX: its train function, put back when removed."""
 
+from tfaccum.backend.jax import _keras
 from tfaccum.patching import HOOK_ATTRIBUTE
 from tfaccum.patching import installed_on
 from tfaccum.patching import InstancePatch
@@ -29,10 +30,10 @@ class ModelInstallation:
         self._compiled_for = self.compiled_state()
 
     def compiled_state(self):
-        """What the compiled functions depend on, besides the hook."""
+        """What the compiled functions depend on, besides the hook (the devices too)."""
         model = self.model
         return (model.optimizer, model.jit_compile, model.run_eagerly,
-                tuple(id(v) for v in model.trainable_variables))
+                tuple(id(v) for v in model.trainable_variables), _keras.distribution())
 
     def hold(self, patch):
         """Holds one more patch while installed (applied now if installed)."""

@@ -12,16 +12,26 @@ function holds a second copy of the window: the state and the accumulators
 are donated, so XLA updates them in place (`benchmarks/jax_backend.py`).
 `flush` runs the last two from the host.
 
+Each function is written for one device's share of a micro-batch
+(`parallel.py`): on one device the share is all of it; under
+`keras.distribution.DataParallel` every device adds its share's gradient to
+its own accumulators, and a window's end reduces them once.
+
 The reduction says what each micro-batch weighs and what the window divides
 by, on the open window's counts (`keras.ops` on JAX arrays).
 """
 
 import jax
 import jax.numpy as jnp
+import keras
 
 from tfaccum import items as said_items
 from tfaccum import reduction as reductions
 from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax import parallel
+from tfaccum.backend.jax.parallel import BATCH
+from tfaccum.backend.jax.parallel import SHARED
+from tfaccum.backend.jax.parallel import SPLIT
 from tfaccum.backend.jax.observers import MicroStep
 from tfaccum.backend.jax.observers import Update
 from tfaccum.counts import WINDOW_COUNTS
@@ -47,19 +57,28 @@ class CompiledSteps:
         reduction: The hook's `Reduction`.
         observers: The hook's `WindowObserver`s (`observers.py`).
         jit: Whether to compile (`False` under `run_eagerly=True`).
+        devices: Where the step runs (`parallel.for_distribution`).
     """
 
-    def __init__(self, model, reduction, observers=(), jit=True):
+    def __init__(self, model, reduction, observers=(), jit=True, devices=None):
         self.model = model
         self.reduction = reduction
         self.observers = tuple(observers)
+        self.devices = devices or parallel.OneDevice()
         # Norms of the gradients of mean losses: a summed loss's are divided.
         self._sums = isinstance(reduction, reductions.Sum)
         compile_ = (lambda f, donate: jax.jit(f, donate_argnums=donate)) if jit else (
             lambda f, donate: f)
+        each_share = self.devices.each_share
+        self._add_share = each_share(
+            self._share, (SHARED, SPLIT, SPLIT, BATCH, SHARED, SHARED),
+            (SPLIT, SPLIT, SPLIT, BATCH, SPLIT, SHARED))
         self.accumulate = compile_(self._accumulate, (0, 1, 2, 3))
-        self.normalize = compile_(self._normalize, (0, 1, 2))
-        self.apply = compile_(self._apply, (0, 1))
+        self.normalize = compile_(each_share(
+            self._normalize, (SPLIT, SHARED, SPLIT, SHARED), (SPLIT, SHARED, SPLIT, SHARED)),
+            (0, 1, 2))
+        self.apply = compile_(each_share(
+            self._apply, (SHARED, SHARED, SPLIT), (SHARED, SHARED)), (0, 1))
 
     # -- inside the compiled functions ----------------------------------------------
 
@@ -67,35 +86,68 @@ class CompiledSteps:
         """Adds one micro-batch.
 
         Args:
-            items: `[window_items, items]` counted so far (on the device).
+            items: `[window_items, items]` counted so far (on the device; one
+                entry per device under `DataParallel`).
             open_window: The window's host counts before it (`WINDOW_COUNTS`).
             samples: Its samples.
         """
         model = self.model
         trainable, _, optimizer_variables, _ = state
+        accumulators, items, share, y_pred, non_trainable, metrics = self._add_share(
+            state, accumulators, items, data, open_window, samples)
+        non_trainable = [self.devices.first(value) for value in non_trainable]
+        if self.observers:
+            # Each device's share is a micro-batch to the observers.
+            squares = jnp.reshape(share["square"], (-1,))
+            added = jnp.reshape(share["added"], (-1,))
+            for i in range(self.devices.shares):
+                step = MicroStep(squared_norm=squares[i], samples=added[i])
+                observed = tuple(o.on_micro_step(s, step)
+                                 for o, s in zip(self.observers, observed))
+        loss = self._loss(share)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        logs, metrics = _keras.update_metrics(model, metrics, loss, (x, y, sample_weight), y_pred)
+        state = (trainable, non_trainable, optimizer_variables, metrics)
+        return logs, state, accumulators, observed, items
+
+    def _share(self, state, accumulators, items, data, open_window, samples):
+        """One device's share of a micro-batch: its gradient added, as its reduction weighs it.
+
+        Returns its accumulators and items, its scalars (`share`: the loss and
+        what weighs it, the gradient's squared norm, what it counted), its
+        predictions, the variables its forward pass left and the metrics.
+        """
+        model, devices = self.model, self.devices
+        trainable, non_trainable, optimizer_variables, metrics = state
+        if devices.shares > 1:
+            non_trainable = _keras.offset_seeds(model, non_trainable, devices.index())
         with _keras.loss_inputs(model) as seen, said_items.collected() as said:
-            grads, loss, y_pred, non_trainable, metrics, unpacked = (
-                _keras.gradient_and_outputs(model, state, data))
+            grads, loss, y_pred, non_trainable, new_metrics, _ = _keras.gradient_and_outputs(
+                model, (trainable, non_trainable, optimizer_variables, metrics), data)
         if len(said) > 1:
             raise ValueError(
                 f"`count_items()` was called {len(said)} times in one step; call it once "
                 "per step, with what the micro-batch's loss was divided by. Received: "
                 f"items={said!r}")
+        samples = samples // devices.shares
         # What the loss averaged over: what `count_items()` said, or its
         # unmasked elements where a mask or `ignore_class` reached it (one
         # output), else the samples.
         counted = (said[0] if said else seen["items"]) if self.reduction.counts_items else None
         added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
-        open_window = open_window.at[2].set(items[0])
+        open_window = (open_window.at[1].set(open_window[1] // devices.shares)
+                       .at[2].set(items[0]))
+        square = jnp.zeros((), jnp.float32)
         if self.observers:
             square = squared_norm(grads)
             if self._sums:
                 square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
-            step = MicroStep(squared_norm=square, samples=added)
-            observed = tuple(o.on_micro_step(s, step) for o, s in zip(self.observers, observed))
         weight = self.reduction.weight(samples, added, window_counts(open_window))
-        if weight is not None:
-            grads = [g * jnp.asarray(weight, g.dtype) for g in grads]
+        factor = weight
+        if weight is None and self.reduction.per_micro_batch and devices.shares > 1:
+            factor = 1.0 / devices.shares  # the shares' mean is the micro-batch's
+        if factor is not None:
+            grads = [g * jnp.asarray(factor, g.dtype) for g in grads]
         # A window's first micro-batch overwrites what the last window left;
         # so does the first that counts items after micro-batches that
         # counted none (their weight was a stand-in: `reduction.Auto`).
@@ -104,15 +156,42 @@ class CompiledSteps:
             restart = restart | ((open_window[2] <= 0) & (added > 0))
         accumulators = [jnp.where(restart, 0.0, a) + g.astype(a.dtype)
                         for a, g in zip(accumulators, grads)]
-        logs, metrics = _keras.update_metrics(model, metrics, loss, unpacked, y_pred)
-        state = (trainable, non_trainable, optimizer_variables, metrics)
-        return logs, state, accumulators, observed, items + added
+        factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
+        share = {"loss": loss, "factor": factor, "square": square, "added": added,
+                 # What the micro-batch's loss divides the shares' weighted sum by.
+                 "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}
+        if devices.shares > 1:
+            new_metrics = [m + devices.total(n - m) for m, n in zip(metrics, new_metrics)]
+            non_trainable = [devices.total(v) / devices.shares
+                             if jnp.issubdtype(v.dtype, jnp.floating) else v
+                             for v in non_trainable]
+        return accumulators, items + added, share, y_pred, non_trainable, new_metrics
+
+    def _loss(self, share):
+        """The micro-batch's loss, from its shares' (Keras' logs and loss tracker)."""
+        if self.devices.shares == 1:
+            return share["loss"]
+        norm = jnp.sum(share["norm"])
+        weighted = jnp.sum(share["factor"] * share["loss"].astype(jnp.float32))
+        return jnp.where(norm > 0, weighted / jnp.where(norm > 0, norm, 1.0),
+                         jnp.mean(share["loss"]))
 
     def _normalize(self, accumulators, observed, items, window):
         """The window's sum divided as the reduction says, in place; the observers
         see the update it will make. Returns the window's items apart, and
         `items` with the window's emptied."""
-        counts = window_counts(window.at[2].set(items[0]))
+        total = self.devices.total
+        window_items = total(items[0])
+        counts = window_counts(window.at[2].set(window_items))
+        if self.devices.shares > 1:
+            # A device whose shares counted nothing in a window that did adds
+            # nothing (what it added weighed its samples: `reduction.Auto`).
+            local = window_counts(window.at[1].set(window[1] // self.devices.shares)
+                                  .at[2].set(items[0]))
+            kept = self.reduction.keeps(local, counts)
+            if kept is not True:
+                accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
+        accumulators = [total(a) for a in accumulators]  # the devices' sums: once a window
         denominator = self.reduction.denominator(counts)
         if denominator is not None:
             accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
@@ -124,7 +203,7 @@ class CompiledSteps:
             update = Update(squared_norm=sum(squares), variable_squares=squares,
                             samples=counts["window_items"])
             observed = tuple(o.on_apply(s, update) for o, s in zip(self.observers, observed))
-        return accumulators, observed, items.at[0].set(0), items[0]
+        return accumulators, observed, items.at[0].set(0), window_items
 
     def _apply(self, trainable, optimizer_variables, accumulators):
         """The normalised window applied once. The accumulators are only read:
