@@ -636,3 +636,21 @@ def test_data_parallel_draws_each_devices_own_dropout_masks():
         tfaccum.remove_accumulation_hook(model)
     assert len(jax.devices()) == 2 and len(halves) == 2
     assert np.max(np.abs(halves[0] - halves[1])) > 1e-3
+
+
+def test_a_keras_hub_gpt2_under_data_parallel():
+    # Compiled with jit_compile=False: under DataParallel the steps compile
+    # anyway (one device's share run op by op over the mesh takes minutes).
+    from test_keras_hub import gpt2_causal_lm
+    from test_keras_hub import sentences
+
+    texts = sentences()
+    reference = gpt2_causal_lm()
+    reference.fit(texts, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with keras.distribution.DataParallel().scope():
+        model = gpt2_causal_lm()
+        callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4)
+        model.fit(texts, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_diff(model, reference) < TOL
+    assert max_diff(model, gpt2_causal_lm()) > 1e-3
+    assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)

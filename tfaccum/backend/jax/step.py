@@ -56,7 +56,8 @@ class CompiledSteps:
         model: The compiled Keras model (JAX backend).
         reduction: The hook's `Reduction`.
         observers: The hook's `WindowObserver`s (`observers.py`).
-        jit: Whether to compile (`False` under `run_eagerly=True`).
+        jit: Whether to compile (`False` under `run_eagerly=True` or
+            `jit_compile=False`, on one device).
         devices: Where the step runs (`parallel.for_distribution`).
     """
 
@@ -67,6 +68,9 @@ class CompiledSteps:
         self.devices = devices or parallel.OneDevice()
         # Norms of the gradients of mean losses: a summed loss's are divided.
         self._sums = isinstance(reduction, reductions.Sum)
+        # One device's share run outside `jit` runs op by op over the mesh
+        # (minutes for a small transformer): several devices always compile.
+        jit = jit or self.devices.shares > 1
         compile_ = (lambda f, donate: jax.jit(f, donate_argnums=donate)) if jit else (
             lambda f, donate: f)
         each_share = self.devices.each_share
