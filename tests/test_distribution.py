@@ -313,3 +313,17 @@ def test_an_optimizer_without_keras_reduction_is_refused_by_name():
             r"cannot apply a window across replicas with it. Received: Unknown from Keras 3\.")):
         with _keras.Keras3.own_reduction_off(Unknown()):
             pass
+
+
+@pytest.mark.parametrize("reduction", ["auto", "mean"])
+def test_a_strategy_of_one_replica_equals_the_large_batch(reduction):
+    # MirroredStrategy on one GPU (or a CPU): its step runs in a replica
+    # context, where Keras' update calls `merge_call`, as with several.
+    x, y = make_data(n=100)
+    cpu = tf.config.list_logical_devices("CPU")[0].name
+    one = tf.distribute.MirroredStrategy([cpu])
+    assert one.num_replicas_in_sync == 1
+    pair = fit_mirrored("adam", x, y, strategy=one, reduction=reduction, skip_nonfinite=True)
+    assert pair.diff < TOL
+    assert pair.moved(lambda: make_model(optimizer="adam")) > 1e-2
+    assert pair.callback.optimizer_steps == 12

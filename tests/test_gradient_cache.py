@@ -570,3 +570,16 @@ def test_inputs_of_unknown_length_are_refused_by_name():
     with pytest.raises(RuntimeError, match=r"fixed shape per sample.*Pad them to one length"):
         model.fit(dataset.padded_batch(4), verbose=0, callbacks=[
             tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
+
+
+@pytest.mark.keras3
+def test_a_strategy_of_one_replica_gathers_the_window_as_one_device():
+    # MirroredStrategy on one GPU: the window ends in the cross-replica context.
+    import tensorflow as tf
+
+    one = tf.distribute.MirroredStrategy([tf.config.list_logical_devices("CPU")[0].name])
+    x, y = _data(38)
+    result = compare(lambda: build(loss="in_batch", optimizer="adamw"), x, y, micro=4, steps=3,
+                     epochs=2, strategy=one)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build(loss="in_batch", optimizer="adamw")) > 1e-2

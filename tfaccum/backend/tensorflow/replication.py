@@ -18,17 +18,17 @@ from tfaccum.counts import Window
 def variable_options(strategy):
     """`(synchronization, aggregation)` for an accumulator under `strategy`.
 
-    Several replicas keep one per replica, summed when read across them; one
-    device keeps a plain variable.
+    Replicas (one or several, under a strategy) keep one each, summed when
+    read across them; without a strategy a plain variable.
     """
-    if strategy.num_replicas_in_sync > 1:
+    if _keras.under_strategy(strategy):
         return tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM
     return tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE
 
 
 def for_model(model, state, applier, observers, *, skip_nonfinite, source):
-    """`OneDevice` or `Replicas`, for `model`'s strategy."""
-    cls = Replicas if model.distribute_strategy.num_replicas_in_sync > 1 else OneDevice
+    """`OneDevice` without a strategy, `Replicas` under one (even of one replica)."""
+    cls = Replicas if _keras.under_strategy(model.distribute_strategy) else OneDevice
     return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite, source=source)
 
 
@@ -228,7 +228,7 @@ class Replicas(OneDevice):
                          source=source)
         self.replicas = self.strategy.num_replicas_in_sync
         reduction = state.reduction
-        if skip_nonfinite and reduction.per_micro_batch:
+        if skip_nonfinite and reduction.per_micro_batch and self.replicas > 1:
             raise ValueError(
                 "skip_nonfinite (and mixed precision) with several replicas "
                 "leaves out one replica's share of a micro-batch, which "

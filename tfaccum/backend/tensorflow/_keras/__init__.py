@@ -27,6 +27,7 @@ from tfaccum.backend.tensorflow._keras.distribution import (  # noqa: F401
     for_each_replica,
     keep_as_function_call,
     local_variable,
+    under_strategy,
     writes_summaries,
 )
 from tfaccum.backend.tensorflow._keras.batch_norm import (  # noqa: F401
@@ -48,6 +49,7 @@ __all__ = _common + [
     "may_hold_several_losses",
     "wrapped_losses_patch",
     "all_reduce_sum",
+    "under_strategy",
     "for_each_replica",
     "keep_as_function_call",
     "local_variable",

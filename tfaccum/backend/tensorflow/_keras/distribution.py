@@ -18,6 +18,17 @@ def local_variable(initial_value, name):
         return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
 
 
+def under_strategy(strategy):
+    """Whether `strategy` is not TensorFlow's default one: its step then runs in
+    a replica context, where Keras' update calls `merge_call`, even on one
+    replica (`MirroredStrategy` on one GPU). Private: the default strategy's
+    singleton, `distribute_lib._get_default_strategy()` (TensorFlow 2.16-2.21).
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    return strategy is not distribute_lib._get_default_strategy()
+
+
 def for_each_replica(strategy, fn, args=(), kwargs=None):
     """Runs `fn` on every replica, from the cross-replica context of a step.
 
