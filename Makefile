@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # fixtures keeps its tests in one (its `xdist_group`).
 XDIST ?= -n 2 --dist loadgroup
 
-.PHONY: test test-oldest fuzz demo benchmark benchmarks proto clean
+.PHONY: test test-oldest fuzz demo docs benchmark benchmarks proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,11 +71,16 @@ demo: $(VENV)/.installed-examples
 	@echo "Serving the Accumulation dashboard: http://127.0.0.1:$(PORT)/#accumulation"
 	$(BIN)/tensorboard --logdir runs/demo --host 127.0.0.1 --port $(PORT)
 
+# The documentation site, built offline into site/ (MkDocs, Material, mkdocstrings):
+# --strict fails on a broken link or a reference that does not resolve.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 benchmark: $(VENV)/.installed-examples
 	$(BIN)/python benchmarks/throughput.py
 
-# The whole benchmark set, each table written into README.md (about 2 hours
-# on 2 cores; BENCHMARKS=memory,precision for some). keras_hub: the test extra.
+# The whole benchmark set, each table written into benchmarks/RESULTS.md (about
+# 2 hours on 2 cores; BENCHMARKS=memory,precision for some). keras_hub: the test extra.
 benchmarks: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/run_all.py $(if $(BENCHMARKS),--only $(BENCHMARKS))
 

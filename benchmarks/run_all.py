@@ -1,11 +1,13 @@
-"""Runs the benchmark set and writes its tables into README.md.
+"""Runs the benchmark set and writes its tables into benchmarks/RESULTS.md.
 
-Each README table a benchmark makes sits between `<!-- benchmark: NAME -->`
-and `<!-- /benchmark -->`; this script runs each benchmark once (with the
-arguments the README states), takes the table it printed and puts it in
-place, so the README's figures are what the scripts measured, here and
-now. The prose around a table (what it says, with its spread) is still
-read and written by a person: `git diff README.md` shows what moved.
+Each table sits in RESULTS.md between `<!-- benchmark: NAME -->` and
+`<!-- /benchmark -->`; this script runs each benchmark once (with the
+arguments RESULTS.md states), takes the table it printed and puts it in
+place under one line that says where and when it was measured (machine,
+date, library versions, commit), so that a table rerun alone (`--only`)
+still says its own. The file's header says the same of the last run. The
+prose around a table (what it says, with its spread) is still read and
+written by a person: `git diff benchmarks/RESULTS.md` shows what moved.
 
     python benchmarks/run_all.py            # everything (about 2 hours on 2 cores)
     python benchmarks/run_all.py --only memory,precision
@@ -19,17 +21,20 @@ alone (`--only gpu-memory`), to fit a machine lent for minutes.
 """
 
 import argparse
+import datetime
+import importlib.metadata
 import os
 import pathlib
+import platform
 import re
 import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
-# name: (script and arguments, which printed table the README shows)
+# name: (script and arguments, which printed table RESULTS.md shows)
 TABLES = {
     "exactness-sequences": (["exactness.py"], 1),
     "exactness-optimizers": (["exactness.py"], 0),
@@ -68,6 +73,9 @@ GPU_TABLES = {
 }
 MARKER = re.compile(r"<!-- benchmark: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /benchmark -->",
                     re.DOTALL)
+HEADER = re.compile(r"<!-- run -->\n.*?<!-- /run -->", re.DOTALL)
+# Whose versions a table's line gives (the ones installed that the benchmarks import).
+LIBRARIES = ("tensorflow", "keras", "tf_keras", "jax", "keras-hub")
 
 
 def tables_of(text):
@@ -115,6 +123,62 @@ def sees_gpu():
     return out.strip().splitlines()[-1] == "True"
 
 
+def machine(device):
+    """The machine in words: its system, CPUs and, on a GPU run, the GPUs' names."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    words = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu})"
+    if device == "gpu":
+        try:
+            gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                  capture_output=True, text=True, check=True).stdout.split("\n")
+            words += ", GPU " + ", ".join(gpu.strip() for gpu in gpus if gpu.strip())
+        except (OSError, subprocess.CalledProcessError):
+            words += ", a GPU"
+    return words
+
+
+def versions():
+    """The installed versions of the libraries the benchmarks import, e.g. `keras 3.15.1`."""
+    found = []
+    for name in LIBRARIES:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join([f"Python {platform.python_version()}", *found])
+
+
+def commit():
+    """The commit measured, `-dirty` if the working tree differs from it."""
+    def git(*arguments):
+        return subprocess.run(["git", *arguments], capture_output=True, text=True,
+                              cwd=ROOT).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def measured(device, today=None):
+    """The line above each table a run writes: where and when it was measured."""
+    today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return f"Measured on {machine(device)}, {today}, {versions()}, commit {commit()}."
+
+
+def write_results(text, written, line, names):
+    """`text` (RESULTS.md) with the `written` tables in place, each under `line`,
+    and the header saying this run measured `names`."""
+    text = MARKER.sub(
+        lambda m: (f"<!-- benchmark: {m['name']} -->\n_{line}_\n\n{written[m['name']]}\n"
+                   "<!-- /benchmark -->" if m["name"] in written else m.group(0)), text)
+    return HEADER.sub(lambda m: (f"<!-- run -->\nLast run: {', '.join(names)}. {line}\n"
+                                 "<!-- /run -->"), text)
+
+
 def run(arguments):
     command = [sys.executable, str(ROOT / "benchmarks" / arguments[0]), *arguments[1:]]
     print("$", " ".join(command[1:]), flush=True)
@@ -144,11 +208,11 @@ def main():
     except ValueError as error:
         parser.error(str(error))
     names = list(tables)
-    readme = README.read_text()
-    marked = {m["name"] for m in MARKER.finditer(readme)}
+    results = RESULTS.read_text()
+    marked = {m["name"] for m in MARKER.finditer(results)}
     missing = sorted(set(names) - marked)
     if missing:
-        parser.error(f"README.md has no <!-- benchmark: NAME --> block for {missing}")
+        parser.error(f"benchmarks/RESULTS.md has no <!-- benchmark: NAME --> block for {missing}")
     outputs, written = {}, {}
     for name in names:
         arguments, index = tables[name]
@@ -156,13 +220,9 @@ def main():
         if key not in outputs:
             outputs[key] = run(arguments)
         written[name] = tables_of(outputs[key])[index]
-    # Read again: the README may have been edited while the benchmarks ran (hours).
-    readme = MARKER.sub(
-        lambda m: (f"<!-- benchmark: {m['name']} -->\n{written[m['name']]}\n<!-- /benchmark -->"
-                   if m["name"] in written else m.group(0)), README.read_text())
-    README.write_text(readme)
-    print(f"README.md: wrote {', '.join(written)}")
-
+    # Read again: RESULTS.md may have been edited while the benchmarks ran (hours).
+    RESULTS.write_text(write_results(RESULTS.read_text(), written, measured(device), names))
+    print(f"benchmarks/RESULTS.md: wrote {', '.join(written)}")
 
 if __name__ == "__main__":
     main()

@@ -170,11 +170,11 @@ def test_the_noise_scale_adds_its_norm_and_one_update_to_a_micro_step(variant):
     assert added["SelectV2"] == 0 and added["NotEqual"] == 0, added
 
 
-def test_every_benchmark_table_has_its_place_in_the_readme():
-    """`make benchmarks` writes each table between its README markers."""
+def test_every_benchmark_table_has_its_place_in_the_results():
+    """`make benchmarks` writes each table between its markers in benchmarks/RESULTS.md."""
     run_all = benchmark_module("run_all")
-    readme = (ROOT / "README.md").read_text()
-    marked = [m["name"] for m in run_all.MARKER.finditer(readme)]
+    results = run_all.RESULTS.read_text()
+    marked = [m["name"] for m in run_all.MARKER.finditer(results)]
     assert sorted(marked) == sorted(list(run_all.TABLES) + list(run_all.GPU_TABLES))
     for arguments, _ in [*run_all.TABLES.values(), *run_all.GPU_TABLES.values()]:
         assert (ROOT / "benchmarks" / arguments[0]).is_file(), arguments

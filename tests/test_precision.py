@@ -1,7 +1,7 @@
 """bfloat16 accumulators: half the memory, the float32 sum on average.
 
 How far they stray over hundreds of updates of a real model is measured
-by benchmarks/precision.py (README: "Reduced-precision accumulators");
+by benchmarks/precision.py (benchmarks/RESULTS.md, docs/reduced-precision.md);
 here: the rounding is unbiased, the accumulators are bfloat16, training
 stays close to float32 accumulation where round-to-nearest drifts, and
 what cannot meet is refused by name.

@@ -56,8 +56,9 @@ class DenseAccumulator:
 
     def reset(self):
         # Zeros made from the shape, not `zeros_like(variable)`: reading the
-        # variable for it kept half a parameter copy more alive at the peak
-        # (benchmarks/memory.py: 1.56 -> 1.07 parameter bytes).
+        # variable for it would keep a copy of it alive at the window's end,
+        # beside the optimizer's temporaries, which is the step's peak
+        # (benchmarks/memory.py measures it).
         self.variable.assign(tf.zeros(self.variable.shape, self.variable.dtype))
 
     def forget(self):

@@ -41,8 +41,11 @@ class AccumulationHook(HookFront):
         model: A compiled Keras model.
         accumulation_steps: Integer >= 1, micro-batches per optimizer update.
             Change it between steps with `set_accumulation_steps()`.
-        reduction, skip_nonfinite, sparse_gradients, accumulator_dtype: As
-            `GradientAccumulationCallback`'s, where each is documented.
+        reduction: As `GradientAccumulationCallback`'s. Defaults to `"auto"`.
+        skip_nonfinite: As `GradientAccumulationCallback`'s. Defaults to `None`.
+        sparse_gradients: As `GradientAccumulationCallback`'s. Defaults to `"rows"`.
+        accumulator_dtype: As `GradientAccumulationCallback`'s. Defaults to
+            `"float32"`.
         observers: `WindowObserver`s told of every micro-step, update and
             reset (e.g. `AccumulationSummaries`, `NoiseScaleEstimator`, and
             `moments.window_observers(model, strategy)` for the model's
@@ -125,6 +128,7 @@ class AccumulationHook(HookFront):
 
     @property
     def accumulation_steps(self):
+        """The window's length now: micro-batches per optimizer update."""
         return int(self.state.steps.numpy())
 
     def set_accumulation_steps(self, accumulation_steps):

@@ -32,9 +32,9 @@ class HostEnds:
 
         On one device the first `EAGER_HOST_ENDS` runs of each graph are
         eager: a flush happens once an epoch, and tracing the window's end
-        (the optimizer's update, the observers) for an epoch or two costs
-        more than running it op by op (a fit of two epochs of a small masked
-        model: about 0.7 s of 3.8). Later runs are compiled once.
+        (the optimizer's update, the observers) costs more than running it
+        op by op once or twice, so a short `fit` never pays for the trace.
+        Later runs are compiled once.
         """
         runs = self._runs[name] = self._runs.get(name, 0) + 1
         if self.model.run_eagerly or (
