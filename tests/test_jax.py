@@ -542,11 +542,16 @@ def all_reduced_elements(hlo):
 def test_data_parallel_reduces_gradients_once_per_update():
     # Counted in the compiled (partitioned) programs: a micro-step all-reduces
     # a few scalars (the loss, the counts), a window's end the gradient once.
+    # A frozen layer's weights are not reduced; a dropout's seed is each device's.
     import jax
 
     x, y = make_data(n=32)
     with keras.distribution.DataParallel().scope():
-        model = make_model(optimizer="adam", loss="mse")
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64, trainable=False),
+                                  keras.layers.Dropout(0.1), keras.layers.Dense(7),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
         hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
         parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)

@@ -116,6 +116,7 @@ class AccumulationHook(HookFront):
 
     @property
     def accumulation_steps(self):
+        """The window's length now: micro-batches per optimizer update."""
         return self._steps
 
     def set_accumulation_steps(self, accumulation_steps):

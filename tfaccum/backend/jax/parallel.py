@@ -3,7 +3,8 @@
 Under `DataParallel` each device takes its share of every micro-batch (Keras
 splits the batch along its batch axis) and keeps its own partial sums: the
 accumulators and the counted items carry a leading axis of one entry per
-device. A micro-step reduces no gradient, only a few scalars; a window's
+device. A micro-step reduces no gradient, only the metrics' sums and what
+the forward pass changed besides (a frozen layer's weights stay put); a window's
 end sums the devices' partial sums once (`total()`), then every device
 applies the same update to its copy of the variables, as
 `jax.shard_map` runs one program per device.

@@ -97,9 +97,11 @@ class CompiledSteps:
         """
         model = self.model
         trainable, _, optimizer_variables, _ = state
-        accumulators, items, share, y_pred, non_trainable, metrics = self._add_share(
+        accumulators, items, share, y_pred, changed, metrics = self._add_share(
             state, accumulators, items, data, open_window, samples)
-        non_trainable = [self.devices.first(value) for value in non_trainable]
+        non_trainable = list(state[1])
+        for i, value in zip(self._changed, changed):
+            non_trainable[i] = self.devices.first(value)
         if self.observers:
             # Each device's share is a micro-batch to the observers.
             squares = jnp.reshape(share["square"], (-1,))
@@ -119,12 +121,15 @@ class CompiledSteps:
 
         Returns its accumulators and items, its scalars (`share`: the loss and
         what weighs it, the gradient's squared norm, what it counted), its
-        predictions, the variables its forward pass left and the metrics.
+        predictions, the non-trainable variables its forward pass changed (at
+        the positions it keeps in `self._changed` while it traces) and the
+        metrics.
         """
         model, devices = self.model, self.devices
         trainable, non_trainable, optimizer_variables, metrics = state
         if devices.shares > 1:
             non_trainable = _keras.offset_seeds(model, non_trainable, devices.index())
+        given = list(non_trainable)
         with _keras.loss_inputs(model) as seen, said_items.collected() as said:
             grads, loss, y_pred, non_trainable, new_metrics, _ = _keras.gradient_and_outputs(
                 model, (trainable, non_trainable, optimizer_variables, metrics), data)
@@ -164,12 +169,16 @@ class CompiledSteps:
         share = {"loss": loss, "factor": factor, "square": square, "added": added,
                  # What the micro-batch's loss divides the shares' weighted sum by.
                  "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}
+        # What the forward pass changed (a seed, a statistic); a frozen
+        # layer's weights come back as they went in, and stay where they are.
+        self._changed = [i for i, (new, old) in enumerate(zip(non_trainable, given))
+                         if new is not old]
+        changed = [non_trainable[i] for i in self._changed]
         if devices.shares > 1:
             new_metrics = [m + devices.total(n - m) for m, n in zip(metrics, new_metrics)]
-            non_trainable = [devices.total(v) / devices.shares
-                             if jnp.issubdtype(v.dtype, jnp.floating) else v
-                             for v in non_trainable]
-        return accumulators, items + added, share, y_pred, non_trainable, new_metrics
+            changed = [devices.total(v) / devices.shares
+                       if jnp.issubdtype(v.dtype, jnp.floating) else v for v in changed]
+        return accumulators, items + added, share, y_pred, changed, new_metrics
 
     def _loss(self, share):
         """The micro-batch's loss, from its shares' (Keras' logs and loss tracker)."""

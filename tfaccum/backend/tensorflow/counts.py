@@ -92,9 +92,8 @@ class Counts:
 class _CountsRead(collections.abc.Mapping):
     """One read of the counts, `{name: int64 tensor}`, unstacked when first asked for.
 
-    One op gives them all, where a slice per count took four graph nodes (a
-    `StridedSlice` and its three constants): the window's end, which reads
-    most of them, has 73 nodes fewer (benchmarks/step_ops.py).
+    One op gives them all: a slice per count would add four graph nodes (a
+    `StridedSlice` and its three constants) per count the window's end reads.
     """
 
     def __init__(self, vector, index):

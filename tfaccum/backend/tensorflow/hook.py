@@ -35,7 +35,10 @@ class AccumulationHook(HookFront):
     compiled with a `tfaccum.WindowLoss` trains by gradient caching
     (`tfaccum.backend.tensorflow.gradient_cache`). A window that is not full waits for
     `flush()` or `drop()`; `remove()` restores the plain model exactly.
-    Counters are read from the device only when asked for.
+    Counters are read from the device only when asked for: `hook.counters`
+    (a `Counters`, all at once) or one by one as properties
+    (`hook.micro_steps`, `optimizer_steps`, `flushes`, `dropped_micro_steps`,
+    `nonfinite_skips`, `samples`, `items`).
 
     Args:
         model: A compiled Keras model.
@@ -46,11 +49,9 @@ class AccumulationHook(HookFront):
         sparse_gradients: As `GradientAccumulationCallback`'s. Defaults to `"rows"`.
         accumulator_dtype: As `GradientAccumulationCallback`'s. Defaults to
             `"float32"`.
-        observers: `WindowObserver`s told of every micro-step, update and
-            reset (e.g. `AccumulationSummaries`, `NoiseScaleEstimator`, and
-            `moments.window_observers(model, strategy)` for the model's
-            `AccumBatchNormalization` layers, which `install_accumulation_hook`
-            and the callback add).
+        observers: Internal: what watches the window (the summaries, the
+            noise scale, `AccumBatchNormalization`'s statistics), which
+            `install_accumulation_hook` and the callback pass.
 
     Example:
 
