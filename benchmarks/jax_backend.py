@@ -13,6 +13,14 @@ range over rounds:
   divided by plain training's in the same round.
 
     python benchmarks/jax_backend.py [--repeats 3] [--epochs 3] [--width 3072]
+    python benchmarks/jax_backend.py --devices 2   # keras.distribution.DataParallel
+
+With `--devices N` every variant (plain training too) runs under
+`keras.distribution.DataParallel` on N host devices
+(`--xla_force_host_platform_device_count`): each device holds the
+variables, the optimizer's slots and the accumulators, so the memory
+column is the process's (N devices') over plain's, in one device's
+parameter bytes. On a CPU the devices share its cores.
 
 Variants:
   plain      micro-batches of 16, no accumulation (the baseline)
@@ -43,6 +51,8 @@ def run_variant(variant, args):
     import tfaccum
 
     keras.utils.set_random_seed(0)
+    if args.devices > 1:
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.samples, args.width)).astype("float32")
     y = rng.integers(0, 10, args.samples)
@@ -81,8 +91,12 @@ def run_variant(variant, args):
 def measure(variant, args):
     command = [sys.executable, __file__, "--variant-only", variant, "--width", str(args.width),
                "--micro", str(args.micro), "--steps", str(args.steps),
-               "--samples", str(args.samples), "--epochs", str(args.epochs)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+               "--samples", str(args.samples), "--epochs", str(args.epochs),
+               "--devices", str(args.devices)]
+    env = dict(os.environ)
+    if args.devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -99,6 +113,8 @@ def main():
     parser.add_argument("--micro", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--devices", type=int, default=1,
+                        help="N > 1: keras.distribution.DataParallel on N host devices")
     parser.add_argument("--variant-only", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant_only:
@@ -123,7 +139,9 @@ def main():
             speed[variant].append(results[variant]["epoch"] / results["plain"]["epoch"])
     print(f"Keras {_version('keras')} on JAX {_version('jax')} (CPU): Dense {args.width}x3 "
           f"({weights / 4 / 1e6:.1f}M weights), Adam, micro-batch {args.micro}, "
-          f"accumulation_steps={args.steps}, {args.samples} samples; median (min-max) of "
+          f"accumulation_steps={args.steps}, {args.samples} samples"
+          f"{f', DataParallel on {args.devices} devices' if args.devices > 1 else ''}; "
+          f"median (min-max) of "
           f"{args.repeats} rounds of fresh processes")
     print("| variant | extra peak RSS over plain (parameter bytes) | epoch time / plain's "
           "| epoch (s) |")

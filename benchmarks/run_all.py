@@ -57,6 +57,8 @@ TABLES = {
     "sparse-window": (["sparse_window.py"], 0),
     "dashboard": (["dashboard.py"], 0),
     "window-loss": (["window_loss.py", "--repeats", "2"], 0),
+    "jax": (["jax_backend.py", "--repeats", "3"], 0),
+    "jax-data-parallel": (["jax_backend.py", "--repeats", "3", "--devices", "2"], 0),
 }
 # On a GPU: the wider models of the CPU's tables (an MLP of 1M weights is all
 # launch overhead there), timed as users run them (wall clock, TensorFlow's
