@@ -34,7 +34,7 @@ class HostCounts:
     def __init__(self, devices):
         self.devices = devices
         self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
-        self.items = devices.zeros((2,), jnp.int32)
+        self.zero()
 
     def numpy(self):
         """The counts now, as `{name: int}` (one device read)."""
@@ -264,7 +264,8 @@ def check_served(model, configuration, observers):
     if distribution is not None:
         if not _keras.data_parallel(distribution):
             refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
-                   "devices)", "Use keras.distribution.DataParallel, or one device.", on_tensorflow=False)
+                   "devices)", "Use keras.distribution.DataParallel, or one device.",
+                   on_tensorflow=False)
         if jax.process_count() > 1:
             refuse(f"several processes ({jax.process_count()}) under DataParallel",
                    "Train on the devices of one process.", on_tensorflow=False)

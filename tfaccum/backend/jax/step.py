@@ -144,8 +144,7 @@ class CompiledSteps:
         # output), else the samples.
         counted = (said[0] if said else seen["items"]) if self.reduction.counts_items else None
         added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
-        open_window = (open_window.at[1].set(open_window[1] // devices.shares)
-                       .at[2].set(items[0]))
+        open_window = self._share_window(open_window, items)
         square = jnp.zeros((), jnp.float32)
         if self.observers:
             square = squared_norm(grads)
@@ -180,6 +179,12 @@ class CompiledSteps:
                        if jnp.issubdtype(v.dtype, jnp.floating) else v for v in changed]
         return accumulators, items + added, share, y_pred, changed, new_metrics
 
+    def _share_window(self, window, items):
+        """This device's part of the window's host counts (`WINDOW_COUNTS`): its
+        share of the samples (Keras splits every micro-batch evenly) and the
+        items it counted."""
+        return window.at[1].set(window[1] // self.devices.shares).at[2].set(items[0])
+
     def _loss(self, share):
         """The micro-batch's loss, from its shares' (Keras' logs and loss tracker)."""
         if self.devices.shares == 1:
@@ -199,9 +204,8 @@ class CompiledSteps:
         if self.devices.shares > 1:
             # A device whose shares counted nothing in a window that did adds
             # nothing (what it added weighed its samples: `reduction.Auto`).
-            local = window_counts(window.at[1].set(window[1] // self.devices.shares)
-                                  .at[2].set(items[0]))
-            kept = self.reduction.keeps(local, counts)
+            kept = self.reduction.keeps(window_counts(self._share_window(window, items)),
+                                        counts)
             if kept is not True:
                 accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
         accumulators = [total(a) for a in accumulators]  # the devices' sums: once a window
