@@ -533,7 +533,8 @@ def all_reduced_elements(hlo):
     for line in hlo.splitlines():
         if " all-reduce(" not in line and " all-reduce-start(" not in line:
             continue
-        shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", line.split("=", 1)[1].split("all-reduce")[0])
+        result = line.split("=", 1)[1].split("all-reduce")[0]  # the result's shapes
+        shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", result)
         for dims in shapes:
             total += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     return total
@@ -659,3 +660,23 @@ def test_a_keras_hub_gpt2_under_data_parallel():
     assert max_diff(model, reference) < TOL
     assert max_diff(model, gpt2_causal_lm()) > 1e-3
     assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch(devices):
+    # skip_nonfinite stays off on JAX: the NaN reaches the update where the
+    # large batch's does, and nowhere else.
+    x, y = make_data(n=48)
+    x[29, 2] = np.nan  # the second window's second micro-batch
+    build = model_builder("sgd")
+    if devices == 1:
+        result = compare(build, x, y, micro=8, steps=3)
+    else:
+        result = data_parallel(build, x, y, micro=8, steps=3)
+    assert len(result.ours) == len(result.theirs) == 2
+    for ours, theirs in zip(result.ours, result.theirs):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, equal_nan=True)
+    assert np.isfinite(np.concatenate([w.ravel() for w in result.ours[0]])).all()
+    assert not np.isfinite(np.concatenate([w.ravel() for w in result.ours[1]])).all()
