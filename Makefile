@@ -26,11 +26,12 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.py \
 	tests/test_nonfinite.py tests/test_resume.py tests/test_distribution.py \
 	tests/test_window.py tests/test_features_meet.py tests/test_items.py \
-	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py
+	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py \
+	tests/test_interrupts.py
 
 # Keras 3 on JAX: its own file, and the files written for both backends.
 JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py \
-	tests/test_optimizers.py
+	tests/test_optimizers.py tests/test_interrupts.py
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

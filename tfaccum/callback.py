@@ -133,7 +133,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self.write_interval = checks.check_write_interval(write_interval)
         self.sparse_gradients = checks.check_sparse_gradients(sparse_gradients)
         self.accumulator_dtype = checks.check_accumulator_dtype(accumulator_dtype)
-        self._scope = FitScope(end_fit=self._end_fit)
+        self._scope = FitScope(end_fit=self._end_fit, stop_fit=self._stop_fit)
         self._backend = None  # the model's, at `fit`
         self._epoch_open = False
 
@@ -250,7 +250,7 @@ class GradientAccumulationCallback(_keras.Callback):
             steps = checks.check_noise_scale_at_epoch(
                 self.schedule(epoch), epoch, self.noise_scale_option)
         except (TypeError, ValueError):
-            self._abandon()
+            self._scope.abandon()  # the error aborts `fit`
             raise
         self.hook.set_accumulation_steps(steps)
         self._last_batch = -1
@@ -307,6 +307,11 @@ class GradientAccumulationCallback(_keras.Callback):
         if self.verbose and window.micro_batches:
             _keras.print_msg(epoch_log.fit_end_line(action, window))
 
+    def _stop_fit(self):
+        """`fit` raised: the open window stays pending (the weights are the last update's)."""
+        if self.summaries is not None:
+            self.summaries.flush()
+
     def _end_epoch(self):
         self._epoch_open = False
         # "carry" leaves the window open: what it holds is only reported.
@@ -321,7 +326,3 @@ class GradientAccumulationCallback(_keras.Callback):
                 int(_keras.iterations(self.model.optimizer).numpy()), policy, window,
                 micro_steps=counters.micro_steps, updates=counters.optimizer_steps,
                 nonfinite=counters.nonfinite_skips)
-
-    def _abandon(self):
-        """Removes the hook after an error that aborts `fit`."""
-        self._scope.abandon()

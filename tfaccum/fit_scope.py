@@ -8,8 +8,14 @@ anyone removing it by hand; the partial window left when `fit` ends is applied
 before Keras writes the optimizer's EMA into the weights; and a hook removed
 at the end of a `fit` is kept on the model, so that a callback of the same
 configuration reinstalls it instead of tracing the train step again.
+
+A `fit` that raised keeps the weights of its last completed update on every
+backend: its open window stays pending (dropped when the model next trains),
+and the end-of-fit work that Keras still runs on the way out (on JAX) never
+replaces the exception with its own.
 """
 
+import sys
 import warnings
 
 from tfaccum.patching import InstancePatch
@@ -25,12 +31,16 @@ class FitScope:
     Args:
         end_fit: Called (with no argument) to end a `fit` that is still open
             when Keras finalizes the optimizer's variables.
+        stop_fit: Called instead while an exception leaves `fit` (Keras
+            finalizes in a `finally` on some backends); what it raises is
+            said in a warning, and the exception goes on.
     """
 
-    def __init__(self, end_fit):
+    def __init__(self, end_fit, stop_fit):
         self.hook = None
         self.fit_ended = True
         self._end_fit = end_fit
+        self._stop_fit = stop_fit
 
     def reusable(self, model, configuration):
         """This scope's or the model's spare hook made with `configuration`, or `None`."""
@@ -92,11 +102,25 @@ class FitScope:
 
         def finalize_variable_values(var_list):
             if hook.installed and not self.fit_ended:
-                self._end_fit()
+                if sys.exc_info()[1] is None:
+                    self._end_fit()
+                else:
+                    self._stopped(sys.exc_info()[1])
             return finalize.original()(var_list)
 
         finalize.value = finalize_variable_values
         hook.installation.hold(finalize)
+
+    def _stopped(self, exception):
+        """`fit` is leaving with `exception`: the loop is over; nothing here replaces it."""
+        self.end()
+        try:
+            self._stop_fit()
+        except Exception as error:  # noqa: BLE001 - the user's exception goes on
+            warnings.warn(
+                f"`fit` stopped with {type(exception).__name__}; on the way out the "
+                f"accumulation callback could not finish its work: {type(error).__name__}: "
+                f"{error}", stacklevel=3)
 
     def _remove_stale(self, hook):
         """Removes a hook whose `fit` stopped without ending (an exception)."""

@@ -56,6 +56,44 @@ def sync(model):
     model.jax_state_sync()
 
 
+def publish(model, state):
+    """Makes `state` the one `fit` writes back into the variables if it stops now.
+
+    Keras' JAX `fit` writes its last step's state (private: `_jax_state`,
+    Keras 3.7-3.15) into the variables in its `finally`; between a step that
+    donated the state and Keras' own assignment of its outputs, an interrupt
+    would have it write deleted arrays. The hook publishes each completed
+    step's state itself, and the state it was given before any step runs.
+    """
+    trainable, non_trainable, optimizer_variables, metrics = state
+    model._jax_state = {"trainable_variables": trainable,
+                        "non_trainable_variables": non_trainable,
+                        "optimizer_variables": optimizer_variables,
+                        "metrics_variables": metrics}
+
+
+def write_published(model):
+    """Writes the published state into the variables now (an interrupt is on its
+    way out through code that may not: Keras' `train_on_batch`)."""
+    if getattr(model, "_jax_state", None):
+        # Where a handler does not raise, the loop goes on as it was: with
+        # the state it holds, or reading the variables.
+        synced = getattr(model, "_jax_state_synced", True)
+        model._jax_state_synced = False
+        model.jax_state_sync()
+        model._jax_state_synced = synced
+
+
+def republish(model):
+    """Publishes the variables' state in place of a running `fit`'s (after the hook
+    assigned them new arrays and donated the old: a flush)."""
+    if getattr(model, "_jax_state", None):
+        publish(model, ([v.value for v in model.trainable_variables],
+                        [v.value for v in model.non_trainable_variables],
+                        [v.value for v in model.optimizer.variables],
+                        [v.value for v in model.metrics_variables]))
+
+
 def restore(model, state):
     """Gives the model's variables the values of `state` again, for good.
 

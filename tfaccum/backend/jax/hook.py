@@ -13,6 +13,7 @@ import numpy as np
 
 from tfaccum import _keras as keras_models
 from tfaccum import checks
+from tfaccum import interrupts
 from tfaccum.backend.jax import _keras
 from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.installation import ModelInstallation
@@ -144,14 +145,26 @@ class AccumulationHook(HookFront):
     # -- the train function ---------------------------------------------------------
 
     def _train_function(self, state, iterator):
-        """Keras' `train_function(state, iterator)`: `steps_per_execution` micro-batches."""
-        logs, state = self._micro_step(state, next(iterator))
+        """Keras' `train_function(state, iterator)`: `steps_per_execution` micro-batches.
+
+        Each micro-step donates the state it is given: an interrupt waits
+        until its outputs are the state Keras writes back (`_keras.publish`),
+        so that it never leaves the variables with deleted arrays.
+        """
+        _keras.publish(self.model, state)  # before anything is donated
+        logs, state = self._interruptible_step(state, next(iterator))
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
+            logs, state = self._interruptible_step(state, data)
+        return logs, state
+
+    def _interruptible_step(self, state, data):
+        with interrupts.deferred(lambda: _keras.write_published(self.model)):
             logs, state = self._micro_step(state, data)
+            _keras.publish(self.model, state)
         return logs, state
 
     def _micro_step(self, state, data):
@@ -221,12 +234,16 @@ class AccumulationHook(HookFront):
         if not window.micro_batches:
             return window
         model = self.model
-        self.counts.add(flushes=1)
-        trainable, optimizer_variables = self._apply(*_keras.state_of(model))
-        for variable, value in zip(model.trainable_variables, trainable):
-            variable.assign(value)
-        for variable, value in zip(model.optimizer.variables, optimizer_variables):
-            variable.assign(value)
+        # The update donates the variables' arrays: an interrupt waits for
+        # the new ones to be assigned.
+        with interrupts.deferred():
+            self.counts.add(flushes=1)
+            trainable, optimizer_variables = self._apply(*_keras.state_of(model))
+            for variable, value in zip(model.trainable_variables, trainable):
+                variable.assign(value)
+            for variable, value in zip(model.optimizer.variables, optimizer_variables):
+                variable.assign(value)
+            _keras.republish(model)
         return window
 
     def drop(self):

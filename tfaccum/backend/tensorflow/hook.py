@@ -10,7 +10,10 @@ to the hook, which adds it to (or leaves it out of) the window state
 optimizer applies it, and the observers see an `Update`.
 """
 
+import tensorflow as tf
+
 from tfaccum import checks
+from tfaccum import interrupts
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
 from tfaccum.backend.tensorflow.gradient_cache import CachingStep
@@ -22,6 +25,10 @@ from tfaccum.backend.tensorflow.window import WindowState
 from tfaccum.backend.tensorflow.window_loss import check_window_loss_meets
 from tfaccum.backend.tensorflow.window_loss import window_loss_of
 from tfaccum.hook_front import HookFront
+
+
+# Called from a traced step: autograph (tf_keras') must not convert contextlib.
+_deferred_interrupts = tf.autograph.experimental.do_not_convert(interrupts.deferred)
 
 
 class AccumulationHook(HookFront):
@@ -150,7 +157,10 @@ class AccumulationHook(HookFront):
     # -- the per-step graph -------------------------------------------------------
 
     def _train_step(self, data):
-        with self._rollback.guard():  # a refusal leaves the model as it was
+        # Ctrl-C waits for the trace to end: raised inside TensorFlow's C
+        # extensions while they build the graph, it can come out as a
+        # SystemError ("bad argument to internal function").
+        with _deferred_interrupts(), self._rollback.guard():  # a refusal leaves the model as it was
             try:
                 return self._step.train_step(data)
             except StepError:
