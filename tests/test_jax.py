@@ -160,6 +160,18 @@ def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match)
     refused_then_plain(model_builder(), x, y, match, **kwargs)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: tfaccum.InBatchSoftmax(), lambda: tfaccum.NTXent(),
+    lambda: tfaccum.WindowLoss(lambda y_true, y_pred: y_pred[:, 0])],
+    ids=["InBatchSoftmax", "NTXent", "WindowLoss"])
+def test_a_window_wide_loss_is_refused_by_name_when_made(make):
+    # Made of TensorFlow ops: Keras' JAX trainer would trace them with JAX's
+    # arrays (TracerArrayConversionError) before any callback is told of `fit`.
+    with pytest.raises(ValueError, match=r"runs on Keras' TensorFlow backend only, for now, "
+                       r"but Keras is running on its 'jax' backend"):
+        make()
+
+
 def masked_sequence_model(loss=None):
     keras.utils.set_random_seed(4)
     model = keras.Sequential([

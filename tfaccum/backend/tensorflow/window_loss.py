@@ -14,11 +14,25 @@ any loss.
 """
 
 import math
+import sys
 
+import keras
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.reduction import Auto
+
+
+def _check_tensorflow_backend(loss):
+    """Refuses a window-wide loss where Keras 3 does not run on TensorFlow (its ops
+    are TensorFlow's: Keras would trace them with JAX's arrays and fail)."""
+    backend = keras.backend.backend()
+    if backend != "tensorflow" and "tf_keras" not in sys.modules:
+        raise ValueError(
+            f"tfaccum.{loss} runs on Keras' TensorFlow backend only, for now, but Keras "
+            f"is running on its {backend!r} backend. Received: keras.backend.backend()="
+            f"{backend!r}. Set KERAS_BACKEND=tensorflow before Keras is first imported, "
+            "or compile with a loss of each micro-batch.")
 
 
 class WindowLoss:
@@ -53,6 +67,7 @@ class WindowLoss:
     """
 
     def __init__(self, fn=None, *, name=None):
+        _check_tensorflow_backend(type(self).__name__)
         if fn is not None and not callable(fn):
             raise TypeError(
                 f"`fn` must be a callable `fn(y_true, y_pred)` returning one loss per "
