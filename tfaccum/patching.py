@@ -4,8 +4,9 @@ The hook changes no class: it sets instance attributes (the model's
 `train_step`, the optimizer's `apply` while a step traces, ...) and, when it
 is done, restores exactly what the instance held before: a user's own
 instance attribute comes back, an absent one is deleted again.
-A backend's installation (TensorFlow's: `backend.tensorflow.installation`)
-holds what one hook set on its model, with the train functions it swaps.
+A backend's installation (`Installation`'s subclass in each backend
+package) holds what one hook set on its model, with the train function it
+swaps in.
 """
 
 import contextlib
@@ -91,3 +92,57 @@ HOOK_ATTRIBUTE = "_tfaccum_hook"
 def installed_on(model):
     """The hook installed on `model` (its installation's owner), or `None`."""
     return model.__dict__.get(HOOK_ATTRIBUTE)
+
+
+class Installation:
+    """What a hook sets on its model while installed, and how it is undone.
+
+    Holds the hook's instance patches, the hook's mark among them
+    (`installed_on`). Whoever scopes the hook to a `fit` holds patches of
+    its own here (`hold`) and says whether that `fit`'s loop runs
+    (`loop_running`). A backend's subclass says what its compiled functions
+    depend on (`compiled_state`, recorded in `_compiled_for` once they are
+    made) and swaps its train function in and out.
+
+    Args:
+        model: The compiled Keras model.
+        patches: The hook's `InstancePatch`es.
+        owner: The hook.
+    """
+
+    def __init__(self, model, patches, owner):
+        self.model = model
+        self.patches = [*patches, InstancePatch(model, HOOK_ATTRIBUTE, owner)]
+        self.installed = False
+        # Whether a `fit` that owns the hook is in its training loop: `None`
+        # for a hook installed by hand (any running `fit` counts).
+        self.loop_running = None
+        self._compiled_for = None
+
+    def compiled_state(self):
+        """What the hook's compiled functions depend on, besides the hook (a tuple)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `compiled_state`")
+
+    def hold(self, patch):
+        """Holds one more patch while installed (applied now if installed)."""
+        self.patches.append(patch)
+        if self.installed:
+            patch.apply()
+        return patch
+
+    def install(self):
+        for patch in self.patches:
+            patch.apply()
+        self.installed = True
+
+    def uninstall(self):
+        for patch in reversed(self.patches):
+            patch.restore()
+        self.installed = False
+
+    def can_reinstall(self):
+        """Whether the compiled functions still fit the model."""
+        if self.installed or self._compiled_for is None or installed_on(self.model):
+            return False
+        current = self.compiled_state()
+        return all(a is b or a == b for a, b in zip(current, self._compiled_for))

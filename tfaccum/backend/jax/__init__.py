@@ -14,7 +14,7 @@ by name).
 from tfaccum.backend.jax.hook import AccumulationHook  # noqa: F401
 from tfaccum.backend.jax.observers import NoiseScaleEstimator  # noqa: F401
 from tfaccum.backend.jax.summary import AccumulationSummaries  # noqa: F401
-from tfaccum.backend.jax.summary import probe_log_dir  # noqa: F401
+from tfaccum.dashboard_writer import probe_log_dir  # noqa: F401
 
 NAME = "jax"
 BatchNormWindows = None

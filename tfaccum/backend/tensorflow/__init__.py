@@ -17,7 +17,7 @@ from tfaccum.backend.tensorflow.moments import accumulating_layers  # noqa: F401
 from tfaccum.backend.tensorflow.moments import BatchNormWindows  # noqa: F401
 from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator  # noqa: F401
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries  # noqa: F401
-from tfaccum.backend.tensorflow.summary import probe_log_dir  # noqa: F401
+from tfaccum.dashboard_writer import probe_log_dir  # noqa: F401
 from tfaccum.backend.tensorflow.window_loss import window_loss_of  # noqa: F401
 
 NAME = "tensorflow"

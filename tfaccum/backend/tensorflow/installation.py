@@ -8,12 +8,11 @@ plain one it puts back.
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras
-from tfaccum.patching import HOOK_ATTRIBUTE
-from tfaccum.patching import installed_on
+from tfaccum.patching import Installation
 from tfaccum.patching import InstancePatch
 
 
-class ModelInstallation:
+class ModelInstallation(Installation):
     """What a hook sets on its model while installed, and how it is undone.
 
     It patches the model's `train_step` with `train_step` and marks the model
@@ -21,9 +20,7 @@ class ModelInstallation:
     the accumulating train function the model's (traced at the first
     install, reused while the model compiles to the same thing);
     `uninstall()` restores the patches and the plain train function the
-    model had, if it still compiles to it. Whoever scopes the hook to a
-    `fit` holds patches of its own here (`hold`) and says whether that
-    `fit`'s loop runs (`loop_running`).
+    model had, if it still compiles to it.
 
     Args:
         model: The compiled Keras model.
@@ -32,16 +29,10 @@ class ModelInstallation:
     """
 
     def __init__(self, model, train_step, owner):
-        self.model = model
         self.train_step_patch = InstancePatch(model, "train_step", train_step)
-        self.patches = [self.train_step_patch, InstancePatch(model, HOOK_ATTRIBUTE, owner)]
-        self.installed = False
-        # Whether a `fit` that owns the hook is in its training loop: `None`
-        # for a hook installed by hand (any running `fit` counts).
-        self.loop_running = None
+        super().__init__(model, [self.train_step_patch], owner)
         self._api = _keras.api_for(model)
         self._train_function = None  # the accumulating one, once traced
-        self._compiled_for = None
         self._plain_function = None
         self._plain_state = None
 
@@ -62,13 +53,6 @@ class ModelInstallation:
                 tuple(id(v) for v in model.trainable_variables),
             )
 
-    def hold(self, patch):
-        """Holds one more patch while installed (applied now if installed)."""
-        self.patches.append(patch)
-        if self.installed:
-            patch.apply()
-        return patch
-
     def install(self):
         model = self.model
         self._plain_function = model.train_function
@@ -83,20 +67,11 @@ class ModelInstallation:
             model.train_function = self._train_function
         self.installed = True
 
-    def can_reinstall(self):
-        """Whether the traced train function still fits the model."""
-        if self.installed or self._compiled_for is None or installed_on(self.model):
-            return False
-        current = self.compiled_state()
-        return all(a is b or a == b for a, b in zip(current, self._compiled_for))
-
     def uninstall(self):
-        for patch in reversed(self.patches):
-            patch.restore()
+        super().uninstall()
         model = self.model
         if self.compiled_state() == self._plain_state:
             model.train_function = self._plain_function
         else:
             model.train_function = None  # the next `fit` makes a plain one
         self._plain_function = None
-        self.installed = False

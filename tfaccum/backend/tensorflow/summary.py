@@ -1,69 +1,43 @@
-"""Accumulation summaries for TensorBoard's "Accumulation" dashboard.
+"""Accumulation summaries for TensorBoard's "Accumulation" dashboard, on TensorFlow.
 
 The per-update figures are computed inside the model's compiled train step and
 kept in a small buffer of device variables (no host round trip per
-micro-step, and nothing XLA cannot compile); `write()` turns the buffered rows
-into summaries with one call of a TensorFlow function, at epoch ends, before
-the buffer can fill and every `write_interval` seconds. The writer is created
-at the first write.
+micro-step, and nothing XLA cannot compile); a write reads the buffered rows
+once and `tfaccum.dashboard_writer.DashboardWriter` writes them, at epoch
+ends, before the buffer can fill and every `write_interval` seconds.
 """
 
-import os
-import time
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
-from tensorboard.plugins.scalar import metadata as scalar_metadata
-
-from tb_plugin import metadata
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.gradients import unscaled
 from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.dashboard_writer import DashboardWriter
+from tfaccum.dashboard_writer import SERIES
+from tfaccum.dashboard_writer import UpdateRows
 
-# Columns of a buffered row, after the step: see metadata.UPDATE_SERIES.
-_SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
-_COLUMNS = ("step",) + _SERIES
-_PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
-# NaN where not defined at an update: not written.
-_OPTIONAL = (metadata.TAG_PREFIX + "noise_scale", metadata.TAG_PREFIX + "window_loss")
+# Columns of a buffered row: the step, then `SERIES`.
+_COLUMNS = ("step",) + SERIES
 
 
-class AccumulationSummaries(WindowObserver):
+class AccumulationSummaries(WindowObserver, DashboardWriter):
     """Records what each optimizer update applied and writes it as summaries.
 
     Rows are written when the hook is removed, at every epoch end (by the
-    callback), before the device buffer can fill, and when `write_interval`
-    seconds have passed since the last write, so that a killed process loses
-    at most that much.
-
-    Args:
-        log_dir: Directory to write event files to.
-        scalars: Whether to also write the applied gradient norm as a plain
-            scalar (`accumulation/gradient_norm`), which TensorBoard's Scalars
-            and Time Series tabs show next to the loss.
-        capacity: Updates buffered on the device between writes.
-        write_interval: Seconds after which buffered rows are written and
-            the event file flushed, checked after each batch on the host (no
-            device read). Defaults to 30.
-        noise: A `NoiseScaleEstimator` whose estimate each row records, or
-            `None`.
+    callback), before the device buffer of `capacity` rows can fill, and
+    when `write_interval` seconds have passed since the last write, so that
+    a killed process loses at most that much. The arguments are
+    `DashboardWriter`'s.
     """
 
     def __init__(self, log_dir, *, scalars=False, capacity=1024, write_interval=30.0, noise=None):
-        self.log_dir = str(log_dir)
-        self.scalars = scalars
-        self.capacity = capacity
-        self.write_interval = write_interval
-        self.noise = noise
-        self._writer = None
-        self._writer_dir = None
-        self._write_function = None
+        DashboardWriter.__init__(self, log_dir, scalars=scalars, capacity=capacity,
+                                 write_interval=write_interval, noise=noise)
         self._variable_names = None  # fixed when the train step is traced
         self._columns = None  # of `_norms`: a column per trainable variable
-        self._last_write = time.monotonic()
-        self._unwritten_micro_steps = 0
-        self.lost_rows = 0  # updates whose rows found the buffer full
         # One row more than `capacity`: where an update that finds the
         # buffer full goes (never written out), so that storing a row
         # needs no branch.
@@ -78,12 +52,6 @@ class AccumulationSummaries(WindowObserver):
         self._micro_norm_max = _keras.local_variable(0.0, "micro_norm_max")
         self._micro_count = _keras.local_variable(0.0, "micro_count")
         self._norms = None  # (capacity, variables), created at installation
-
-    def __repr__(self):
-        return (
-            f"AccumulationSummaries(log_dir={self.log_dir!r}, "
-            f"scalars={self.scalars}, write_interval={self.write_interval})"
-        )
 
     # -- the window protocol (inside the train step) ------------------------------
 
@@ -147,7 +115,7 @@ class AccumulationSummaries(WindowObserver):
             "window_loss": float("nan") if update.loss is None else update.loss,
         }
         row = tf.stack([tf.cast(update.iterations, tf.float64)]
-                       + [tf.cast(values[name], tf.float64) for name in _SERIES])
+                       + [tf.cast(values[name], tf.float64) for name in SERIES])
         # A full buffer sends the row to the spare row: never overwrite a
         # stored one; count what was lost, the host warns.
         count = self._row_count.read_value()
@@ -165,47 +133,21 @@ class AccumulationSummaries(WindowObserver):
     def on_uninstall(self, hook):
         self.flush()
 
-    # -- on the host: when to write ------------------------------------------------
+    # -- on the host ---------------------------------------------------------------
 
-    def on_batch_end(self, micro_steps, headroom):
-        """Writes when the buffer could fill or `write_interval` has passed.
-
-        Args:
-            micro_steps: Micro-steps run since the last call (host-counted).
-            headroom: Micro-steps the buffer can take before it may fill.
-        """
-        self._unwritten_micro_steps += micro_steps
-        if self._unwritten_micro_steps >= headroom:
-            self.write()
-        elif time.monotonic() - self._last_write >= self.write_interval:
-            self.flush()
-
-    # -- on the host -----------------------------------------------------------
-
-    def _get_writer(self):
-        if self._writer is not None and self._writer_dir != self.log_dir:
-            self._writer.close()
-            self._writer = None
-        if self._writer is None:
-            self._writer_dir = self.log_dir
-            # Events queue up in memory between the writes at epoch ends.
-            self._writer = tf.summary.create_file_writer(
-                self.log_dir, max_queue=100_000, flush_millis=60_000
-            )
-        return self._writer
-
-    def write(self):
-        """Writes the buffered rows as summaries and empties the buffer."""
-        self._unwritten_micro_steps = 0
-        self._last_write = time.monotonic()
-        if self._norms is None:
-            return
-        if self._write_function is None:
-            self._write_function = tf.function(self._write_rows, autograph=False)
-        if int(self._row_count.numpy()):
-            with self._get_writer().as_default():
-                self._write_function()
-        lost = int(self._overflow.numpy())
+    def _take_rows(self):
+        """The buffered rows (one read), the buffer emptied; warns of rows lost."""
+        rows = None
+        count = 0 if self._norms is None else int(self._row_count.numpy())
+        if count:
+            buffered = self._rows.numpy()[:count]
+            rows = UpdateRows(
+                steps=buffered[:, 0].astype(np.int64), series=buffered[:, 1:],
+                per_variable=self._norms.numpy()[:count][
+                    :, [column for _, column in self._variable_names]],
+                variable_names=[name for name, _ in self._variable_names])
+            self._row_count.assign(0)
+        lost = 0 if self._norms is None else int(self._overflow.numpy())
         if lost:
             self._overflow.assign(0)
             self.lost_rows += lost
@@ -215,108 +157,11 @@ class AccumulationSummaries(WindowObserver):
                 f"{self.log_dir!r}. Write them more often: call "
                 "`summaries.write()` (or train with GradientAccumulationCallback, "
                 "which writes in time).",
-                stacklevel=2,
+                stacklevel=3,
             )
-
-    def _write_rows(self):
-        series = [
-            (metadata.TAG_PREFIX + name, metadata.create_summary_metadata(kind))
-            for name, kind in metadata.UPDATE_SERIES
-        ]
-        per_variable = [
-            (
-                metadata.ACCUMULATOR_PREFIX + name,
-                metadata.create_summary_metadata(
-                    metadata.Kind.ACCUMULATOR_NORM, variable=name
-                ),
-            )
-            for name, _ in self._variable_names
-        ]
-        plain_scalar = scalar_metadata.create_summary_metadata(
-            display_name="", description="Applied gradient norm (tfaccum)."
-        )
-        count = self._row_count.read_value()
-
-        def write_row(i):
-            row = tf.cast(self._rows[i], tf.float32)
-            step = tf.cast(self._rows[i, 0], tf.int64)
-            ops = []
-            for column, (tag, meta) in enumerate(series, start=1):
-                if tag in _OPTIONAL:  # NaN: not defined at this update
-                    ops.append(tf.cond(
-                        tf.math.is_finite(row[column]),
-                        lambda: _write_scalar(tag, row[column], step, meta),
-                        lambda: tf.constant(False),
-                    ))
-                else:
-                    ops.append(_write_scalar(tag, row[column], step, meta))
-            for (_, column), (tag, meta) in zip(self._variable_names, per_variable):
-                ops.append(_write_scalar(tag, self._norms[i, column], step, meta))
-            if self.scalars:
-                ops.append(_write_scalar(_PLAIN_SCALAR_TAG, row[1], step, plain_scalar))
-            with tf.control_dependencies(ops):
-                return [i + 1]
-
-        tf.while_loop(lambda i: i < count, write_row, [tf.constant(0, tf.int64)])
-        self._row_count.assign(0)
-
-    def write_leftover(self, step, policy, window, micro_steps, updates, nonfinite):
-        """Writes one leftover event and the counters at that moment.
-
-        Args:
-            step: `optimizer.iterations` now.
-            policy: One of `metadata.LEFTOVER_POLICIES`.
-            window: The `Window` flushed, carried or dropped.
-            micro_steps: Micro-steps so far in this fit.
-            updates: Optimizer updates so far in this fit.
-            nonfinite: Micro-batches left out so far in this fit.
-        """
-        self.write()  # earlier steps first: each series' steps must not go back
-        points = metadata.leftover_points(policy, window, micro_steps, updates, nonfinite)
-        with self._get_writer().as_default():
-            for name, kind, value in points:
-                _write_scalar(
-                    metadata.TAG_PREFIX + name,
-                    tf.constant(value, tf.float32),
-                    step,
-                    metadata.create_summary_metadata(kind),
-                )
-
-    def flush(self):
-        """Writes buffered rows and flushes the event file to disk."""
-        self.write()
-        if self._writer is not None:
-            self._writer.flush()
-
-    def close(self):
-        """Writes, flushes and closes the event file (a later write opens one)."""
-        self.flush()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-def _write_scalar(tag, value, step, summary_metadata):
-    return tf.summary.write(
-        tag, value, step=step, metadata=summary_metadata.SerializeToString()
-    )
+        return rows
 
 
 def _variable_name(variable, prefix):
     name = getattr(variable, "path", None) or variable.name.split(":")[0]
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
-
-
-def probe_log_dir(log_dir):
-    """Makes `log_dir` and writes a file in it, or says why it cannot (before training)."""
-    probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
-    try:
-        tf.io.gfile.makedirs(log_dir)
-        with tf.io.gfile.GFile(probe, "w") as file:
-            file.write("")
-        tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as error:
-        raise ValueError(
-            f"`log_dir` cannot hold the summaries: {type(error).__name__}: "
-            f"{error}. Received: log_dir={log_dir!r}"
-        ) from error
