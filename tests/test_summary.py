@@ -148,13 +148,14 @@ def test_jit_compile_writes_the_same(tmp_path):
 
 def test_buffer_is_written_before_it_fills(tmp_path, monkeypatch):
     """50 updates in one epoch through a device buffer of 16 rows."""
-    import functools
-
-    from tfaccum.backend import tensorflow as backend
+    from tfaccum.backend.tensorflow import BACKEND
     from tfaccum.backend.tensorflow.summary import AccumulationSummaries
 
-    monkeypatch.setattr(backend, "AccumulationSummaries",
-                        functools.partial(AccumulationSummaries, capacity=16))
+    class SixteenRows(AccumulationSummaries):
+        def __init__(self, log_dir, **kwargs):
+            super().__init__(log_dir, capacity=16, **kwargs)
+
+    monkeypatch.setattr(BACKEND, "summaries_class", SixteenRows)
     x, y = make_data(n=400)
     log_dir = str(tmp_path / "run")
     callback = GradientAccumulationCallback(accumulation_steps=1, log_dir=log_dir)

@@ -7,6 +7,7 @@ from tfaccum import epoch_log
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
+from tfaccum.dashboard_writer import probe_log_dir
 from tfaccum.fit_scope import FitScope
 from tfaccum.schedule import AccumulationSchedule
 
@@ -168,16 +169,25 @@ class GradientAccumulationCallback(_keras.Callback):
         model = self.model
         self._first_among_callbacks()
         self._backend = backend = backends.for_model(model)
-        if self.log_dir is not None and backend.writes_summaries(model):
-            backend.probe_log_dir(self.log_dir)
-        configuration = self._configuration(model)
-        hook = self._scope.reusable(model, configuration)
+        # Across workers the chief writes: every worker's rows are the same.
+        writes = self.log_dir is not None and backend.writes_summaries(model)
+        if writes:
+            probe_log_dir(self.log_dir)
+        configuration = Configuration.resolve(
+            reduction=self.reduction, skip_nonfinite=self.skip_nonfinite,
+            sparse_gradients=self.sparse_gradients, accumulator_dtype=self.accumulator_dtype,
+            observers=backend.observer_kinds(model, noise_scale=self._wants_noise_scale(model),
+                                             summaries=writes))
+        hook = self._scope.reusable(model, configuration)  # a traced hook of an equal one
         if hook is not None:  # same model, same compile: no re-tracing
             if hook is not self.hook:
                 self._adopt_observers(hook)
             self._scope.begin(hook, reinstall=True)
         else:
-            self._scope.begin(self._new_hook(model, configuration), reinstall=False)
+            hook = backend.make_hook(model, configuration, log_dir=self.log_dir,
+                                     scalars=self.scalars, write_interval=self.write_interval)
+            self.estimator, self.summaries = backend.estimator_of(hook), backend.summaries_of(hook)
+            self._scope.begin(hook, reinstall=False)
         self._epoch_open = False
         self._last_batch = -1
         if self.summaries is not None:
@@ -197,53 +207,21 @@ class GradientAccumulationCallback(_keras.Callback):
             callbacks.callbacks.remove(self)
             callbacks.callbacks.insert(0, self)
 
-    def _configuration(self, model):
-        """The `Configuration` of the hook this callback makes for `model`: it builds
-        the hook, and a traced hook of an equal one is reused."""
-        backend, observers = self._backend, []
-        if self._wants_noise_scale(model):
-            observers.append(backend.NoiseScaleEstimator)
-        if self.log_dir is not None and backend.writes_summaries(model):
-            observers.append(backend.AccumulationSummaries)
-        if backend.accumulating_layers(model):
-            observers.append(backend.BatchNormWindows)
-        return Configuration.resolve(
-            reduction=self.reduction, skip_nonfinite=self.skip_nonfinite,
-            sparse_gradients=self.sparse_gradients, accumulator_dtype=self.accumulator_dtype,
-            observers=observers)
-
     def _wants_noise_scale(self, model):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
         # A window-wide loss has no micro-batch gradient to compare.
-        return not self.schedule.always_one and self._backend.window_loss_of(model) is None
+        return not self.schedule.always_one and not self._backend.has_window_loss(model)
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""
-        def of(cls):
-            return next((o for o in hook.observers if isinstance(o, cls)), None)
-
-        self.summaries = of(self._backend.AccumulationSummaries)
-        self.estimator = of(self._backend.NoiseScaleEstimator)
+        self.summaries = self._backend.summaries_of(hook)
+        self.estimator = self._backend.estimator_of(hook)
         if self.summaries is not None:
-            self.summaries.log_dir, self.summaries.scalars = self.log_dir, self.scalars
-            self.summaries.write_interval = self.write_interval
+            self.summaries.retarget(self.log_dir, scalars=self.scalars,
+                                    write_interval=self.write_interval)
         if self.estimator is not None:
             self.estimator.restart()
-
-    def _new_hook(self, model, configuration):
-        backend, wanted = self._backend, configuration.observers
-        estimator, summaries = backend.NoiseScaleEstimator, backend.AccumulationSummaries
-        self.estimator = estimator() if estimator in wanted else None
-        # Across workers the chief writes (`_configuration`): every worker's rows are the same.
-        self.summaries = summaries(
-            self.log_dir, scalars=self.scalars, write_interval=self.write_interval,
-            noise=self.estimator) if summaries in wanted else None
-        observers = [o for o in (self.estimator, self.summaries) if o is not None]
-        observers += backend.window_observers(model)
-        # Windows of 1 until each epoch's start sets the schedule's.
-        return backend.AccumulationHook.made_with(
-            model, configuration, observers, accumulation_steps=1)
 
     def on_epoch_begin(self, epoch, logs=None):
         try:

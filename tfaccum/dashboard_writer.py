@@ -10,6 +10,7 @@ tags, kinds and metadata are `tb_plugin.metadata`'s, so the plugin reads
 every backend's alike.
 """
 
+import abc
 import dataclasses
 import os
 import time
@@ -24,6 +25,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from tb_plugin import metadata
+from tfaccum import interrupts
 
 SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
 PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
@@ -49,7 +51,7 @@ class UpdateRows:
     variable_names: list
 
 
-class DashboardWriter:
+class DashboardWriter(abc.ABC):
     """When and how a backend's recorded updates become event files.
 
     Args:
@@ -82,9 +84,13 @@ class DashboardWriter:
         return (f"AccumulationSummaries(log_dir={self.log_dir!r}, "
                 f"scalars={self.scalars}, write_interval={self.write_interval})")
 
+    def retarget(self, log_dir, *, scalars, write_interval):
+        """Writes from now on as a new callback asks (it took over this one's hook)."""
+        self.log_dir, self.scalars, self.write_interval = str(log_dir), scalars, write_interval
+
+    @abc.abstractmethod
     def _take_rows(self):
         """The rows recorded since the last write, as `UpdateRows` (emptied), or `None`."""
-        raise NotImplementedError(f"{type(self).__name__} must implement `_take_rows`")
 
     def on_batch_end(self, micro_steps, headroom):
         """Writes when the recorded rows could overflow or `write_interval` has passed.
@@ -100,12 +106,19 @@ class DashboardWriter:
             self.flush()
 
     def write(self):
-        """Writes the recorded rows as summaries."""
+        """Writes the recorded rows as summaries.
+
+        A Ctrl-C waits for the rows taken to be written (they are the only
+        copy once taken).
+        """
         self._unwritten_micro_steps = 0
         self._last_write = time.monotonic()
-        rows = self._take_rows()
-        if rows is None or not len(rows.steps):
-            return
+        with interrupts.deferred():
+            rows = self._take_rows()
+            if rows is not None and len(rows.steps):
+                self._write_rows(rows)
+
+    def _write_rows(self, rows):
         writer = self._get_writer()
         metas = [metadata.create_summary_metadata(kind) for _, kind in metadata.UPDATE_SERIES]
         per_variable = [(metadata.ACCUMULATOR_PREFIX + name, metadata.create_summary_metadata(
@@ -135,10 +148,11 @@ class DashboardWriter:
         """
         self.write()  # earlier steps first: each series' steps must not go back
         writer = self._get_writer()
-        for name, kind, value in metadata.leftover_points(policy, window, micro_steps, updates,
-                                                         nonfinite):
-            writer.add_event(_event(metadata.TAG_PREFIX + name, value, step,
-                                    metadata.create_summary_metadata(kind)))
+        with interrupts.deferred():  # all of the event's points, or none
+            for name, kind, value in metadata.leftover_points(policy, window, micro_steps,
+                                                             updates, nonfinite):
+                writer.add_event(_event(metadata.TAG_PREFIX + name, value, step,
+                                        metadata.create_summary_metadata(kind)))
 
     def flush(self):
         """Writes recorded rows and flushes the event file to disk."""

@@ -23,11 +23,10 @@ def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", sk
     ```
     """
     _keras.api_for_model_argument(model, "model")
-    backend = backends.for_model(model)
-    return backend.AccumulationHook(
+    return backends.for_model(model).install(
         model, accumulation_steps=accumulation_steps, reduction=reduction,
         skip_nonfinite=skip_nonfinite, sparse_gradients=sparse_gradients,
-        accumulator_dtype=accumulator_dtype, observers=backend.window_observers(model))
+        accumulator_dtype=accumulator_dtype)
 
 
 def remove_accumulation_hook(model):

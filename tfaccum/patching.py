@@ -9,6 +9,7 @@ package) holds what one hook set on its model, with the train function it
 swaps in.
 """
 
+import abc
 import contextlib
 import threading
 
@@ -94,7 +95,7 @@ def installed_on(model):
     return model.__dict__.get(HOOK_ATTRIBUTE)
 
 
-class Installation:
+class Installation(abc.ABC):
     """What a hook sets on its model while installed, and how it is undone.
 
     Holds the hook's instance patches, the hook's mark among them
@@ -119,9 +120,9 @@ class Installation:
         self.loop_running = None
         self._compiled_for = None
 
+    @abc.abstractmethod
     def compiled_state(self):
         """What the hook's compiled functions depend on, besides the hook (a tuple)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement `compiled_state`")
 
     def hold(self, patch):
         """Holds one more patch while installed (applied now if installed)."""

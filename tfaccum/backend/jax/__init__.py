@@ -5,37 +5,40 @@
 device, or `keras.distribution.DataParallel`'s devices, each with its own
 partial sums), `installation.py` (the train function swapped in),
 `observers.py` (the noise scale's estimator), `summary.py` (the dashboard's
-series) and `_keras.py` (what the JAX trainer is read for). The names below
-are what the callback asks of a backend; an observer the backend does not
-make yet is `None` (the callback then refuses the option that asks for it,
-by name).
+series) and `_keras.py` (what the JAX trainer is read for). `BACKEND` is
+what the callback asks.
 """
 
-from tfaccum.backend.jax.hook import AccumulationHook  # noqa: F401
-from tfaccum.backend.jax.observers import NoiseScaleEstimator  # noqa: F401
-from tfaccum.backend.jax.summary import AccumulationSummaries  # noqa: F401
-from tfaccum.dashboard_writer import probe_log_dir  # noqa: F401
-
-NAME = "jax"
-BatchNormWindows = None
+from tfaccum.backend import Backend
+from tfaccum.backend.jax.hook import AccumulationHook
+from tfaccum.backend.jax.observers import NoiseScaleEstimator
+from tfaccum.backend.jax.summary import AccumulationSummaries
 
 
-def writes_summaries(model):
-    """Whether this process writes `model`'s summaries: the first one does."""
-    import jax
+class JaxBackend(Backend):
+    """Keras 3 on JAX. tfaccum's own layers and losses are refused by name: a
+    window-wide loss when it is made, `AccumBatchNormalization` when the hook
+    is made (`hook.check_served`)."""
 
-    return jax.process_index() == 0
+    name = "jax"
+    hook_class = AccumulationHook
+    estimator_class = NoiseScaleEstimator
+    summaries_class = AccumulationSummaries
+
+    def writes_summaries(self, model):
+        """The first process writes."""
+        import jax
+
+        return jax.process_index() == 0
+
+    def has_window_loss(self, model):
+        return False  # refused when made (`tfaccum.WindowLoss`)
+
+    def layer_observer_kinds(self, model):
+        return []  # `AccumBatchNormalization` is refused when the hook is made
+
+    def layer_observers(self, model):
+        return []
 
 
-def window_loss_of(model):
-    """Window-wide losses are TensorFlow's only, for now: `None`."""
-    return None
-
-
-def accumulating_layers(model):
-    """`AccumBatchNormalization` layers are TensorFlow's only, for now: none."""
-    return []
-
-
-def window_observers(model):
-    return []
+BACKEND = JaxBackend()

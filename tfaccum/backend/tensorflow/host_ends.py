@@ -7,6 +7,7 @@ Each runs a graph of the replication's (`flush_graph`, `drop_graph`,
 
 import tensorflow as tf
 
+from tfaccum import interrupts
 from tfaccum.counts import Window
 
 # On one device, a hook's first flushes and drops run eagerly (see `HostEnds.run`).
@@ -44,7 +45,9 @@ class HostEnds:
             if name not in self._functions:
                 self._functions[name] = tf.function(graph, autograph=False)
             function = self._functions[name]
-        with self.model.distribute_strategy.scope():
+        # Op by op, an interrupt between two ops would leave half a window's
+        # end (the update made, the window still counted): it waits.
+        with interrupts.deferred(), self.model.distribute_strategy.scope():
             micro_batches, samples = function()
         return Window(int(micro_batches), int(samples))
 
