@@ -286,8 +286,14 @@ def test_repr_and_config():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(reduction="average"), r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum' or a tfaccum.Reduction. Received: reduction='average'"),
-        (dict(leftover="keep"), r"`leftover` must be one of 'flush', 'carry', 'drop'. Received: leftover='keep'"),
+        (dict(reduction="average"), r"`reduction` must be one of 'auto', 'samples', 'mean', 'sum' or a tfaccum.Reduction. Received: reduction='average'. Did you mean reduction='mean'\?"),
+        (dict(reduction="Mean"), r"Received: reduction='Mean'. Did you mean reduction='mean'\?"),
+        (dict(reduction="sampels"), r"Received: reduction='sampels'. Did you mean reduction='samples'\?"),
+        (dict(reduction="weighted"), r"Received: reduction='weighted'.$"),
+        (dict(leftover="keep"), r"`leftover` must be one of 'flush', 'carry', 'drop'. Received: leftover='keep'. Did you mean leftover='carry'\?"),
+        (dict(leftover="Flush"), r"Received: leftover='Flush'. Did you mean leftover='flush'\?"),
+        (dict(sparse_gradients="dens"), r"Received: sparse_gradients='dens'. Did you mean sparse_gradients='dense'\?"),
+        (dict(accumulator_dtype="bf16"), r"Received: accumulator_dtype='bf16'. Did you mean accumulator_dtype='bfloat16'\?"),
         (dict(verbose=2), r"`verbose` must be 0 or 1. Received: verbose=2"),
     ],
 )
@@ -304,8 +310,37 @@ def test_unknown_keyword_names_it_and_suggests():
 
 
 def test_options_are_keyword_only():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=re.escape(
+            "GradientAccumulationCallback takes keyword arguments only. Received 1 positional: "
+            "(4,). Name each, starting with GradientAccumulationCallback(accumulation_steps=4).")):
         GradientAccumulationCallback(4)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: "
+                                        "'accumulation_steps'"):
+        GradientAccumulationCallback()
+
+
+def test_the_epoch_summary_starts_a_line_of_its_own(capsys):
+    x, y = make_data(n=40)
+    make_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=1, callbacks=[
+        GradientAccumulationCallback(accumulation_steps=2, verbose=1)])
+    out = capsys.readouterr().out
+    assert "\nEpoch 1: 5 micro-steps, 3 optimizer updates" in out  # not after the bar's loss
+    assert "\nGradientAccumulationCallback" not in out  # nothing was left at fit's end
+
+
+@pytest.mark.parametrize("leftover, says", [
+    ("flush", "each epoch flushes its window early, as one update of 5 micro-batches"),
+    ("carry", "each window spans epochs: one update about every 1.6 epochs"),
+    ("drop", "every epoch's micro-batches are dropped and the model never updates")])
+def test_a_window_longer_than_an_epoch_warns_once(leftover, says):
+    x, y = make_data(n=40)
+    with pytest.warns(UserWarning) as caught:
+        make_model().fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[
+            GradientAccumulationCallback(accumulation_steps=8, leftover=leftover)])
+    said = [str(w.message) for w in caught if "longer than an epoch" in str(w.message)]
+    assert said == [f"accumulation_steps=8 is longer than an epoch of 5 micro-batches: with "
+                    f"leftover={leftover!r}, {says}" + said[0][said[0].index(says) + len(says):]]
+    assert said[0].endswith(".")
 
 
 def test_no_host_reads_on_inner_batches(monkeypatch):

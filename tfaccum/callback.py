@@ -1,5 +1,7 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
+import warnings
+
 from tfaccum import _keras
 from tfaccum import backend as backends
 from tfaccum import checks
@@ -101,10 +103,14 @@ class GradientAccumulationCallback(_keras.Callback):
     ```
     """
 
+    def __new__(cls, *args, **kwargs):
+        checks.check_keywords_only(args, "accumulation_steps")
+        return super().__new__(cls)
+
     def __init__(
         self,
         *,
-        accumulation_steps=None,
+        accumulation_steps,
         reduction="auto",
         leftover="flush",
         verbose=0,
@@ -190,6 +196,7 @@ class GradientAccumulationCallback(_keras.Callback):
             self._scope.begin(hook, reinstall=False)
         self._epoch_open = False
         self._last_batch = -1
+        self._warned_long_window = False
         if self.summaries is not None:
             self._summary_headroom = self.summaries.capacity - (
                 _keras.api_for(model).steps_per_execution(model))
@@ -231,6 +238,11 @@ class GradientAccumulationCallback(_keras.Callback):
             self._scope.abandon()  # the error aborts `fit`
             raise
         self.hook.set_accumulation_steps(steps)
+        epoch_steps = (self.params or {}).get("steps")
+        if epoch_steps and steps > epoch_steps and not self._warned_long_window:
+            self._warned_long_window = True
+            warnings.warn(epoch_log.long_window_warning(steps, epoch_steps, self.leftover),
+                          stacklevel=2)
         self._last_batch = -1
         if self.verbose:
             self._epoch_start = self.hook.counts.numpy()
@@ -261,7 +273,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self._last_batch = -1
         if self.verbose:
             now = self.hook.counts.numpy()
-            _keras.print_msg(epoch_log.epoch_line(
+            _keras.print_msg("\n" + epoch_log.epoch_line(
                 epoch, {name: now[name] - self._epoch_start[name] for name in now},
                 self.hook.accumulation_steps, self.leftover, self._leftover_window,
                 self.noise_scale, self.suggested_accumulation_steps))
@@ -283,7 +295,7 @@ class GradientAccumulationCallback(_keras.Callback):
         if self.summaries is not None:
             self.summaries.flush()
         if self.verbose and window.micro_batches:
-            _keras.print_msg(epoch_log.fit_end_line(action, window))
+            _keras.print_msg("\n" + epoch_log.fit_end_line(action, window))
 
     def _stop_fit(self):
         """`fit` raised: the open window stays pending (the weights are the last update's)."""

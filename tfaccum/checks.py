@@ -156,12 +156,32 @@ def check_accumulator_dtype_meets(accumulator_dtype, strategy):
         )
 
 
+# What users type for a valid value that `difflib` would not find.
+_SAYINGS = {"avg": "mean", "average": "mean", "bf16": "bfloat16", "fp32": "float32",
+            "float": "float32", "sparse": "rows", "apply": "flush", "keep": "carry",
+            "discard": "drop"}
+
+
+def _closest(value, choices):
+    """The valid value `value` most likely meant, or `None`."""
+    if not isinstance(value, str):
+        return None
+    said = value.strip().lower()
+    said = _SAYINGS.get(said, said)
+    if said in choices:
+        return said
+    close = difflib.get_close_matches(said, choices, n=1)
+    return close[0] if close else None
+
+
 def _check_choice(name, value, choices, alternative=None):
     if not isinstance(value, str) or value not in choices:
         alternative = f" {alternative}" if alternative else ""
+        closest = _closest(value, choices)
+        hint = f" Did you mean {name}={closest!r}?" if closest else ""
         raise ValueError(
             f"`{name}` must be one of {', '.join(map(repr, choices))}{alternative}. "
-            f"Received: {name}={value!r}"
+            f"Received: {name}={value!r}.{hint}"
         )
     return value
 
@@ -217,12 +237,16 @@ def check_log_dir(log_dir):
 
 
 def check_leftover(leftover):
-    if not isinstance(leftover, str) or leftover not in LEFTOVERS:
-        raise ValueError(
-            f"`leftover` must be one of {', '.join(map(repr, LEFTOVERS))}. "
-            f"Received: leftover={leftover!r}"
-        )
-    return leftover
+    return _check_choice("leftover", leftover, LEFTOVERS)
+
+
+def check_keywords_only(args, first):
+    """Refuses positional arguments to a class whose arguments are keywords."""
+    if args:
+        raise TypeError(
+            f"GradientAccumulationCallback takes keyword arguments only. Received "
+            f"{len(args)} positional: {args!r}. Name each, starting with "
+            f"GradientAccumulationCallback({first}={args[0]!r}).")
 
 
 def reject_unknown(kwargs, known):

@@ -30,6 +30,22 @@ def fit_end_line(action, window):
     return f"GradientAccumulationCallback: {_PAST[action]} {describe(window)} when fit ended."
 
 
+def long_window_warning(accumulation_steps, epoch_steps, leftover):
+    """What a window longer than an epoch does under `leftover`."""
+    what = {
+        "flush": (f"each epoch flushes its window early, as one update of {epoch_steps} "
+                  "micro-batches (a smaller batch than asked for). Pass leftover=\"carry\" "
+                  "to let windows span epochs, or lower accumulation_steps"),
+        "carry": (f"each window spans epochs: one update about every "
+                  f"{accumulation_steps / epoch_steps:.3g} epochs"),
+        "drop": ("every epoch's micro-batches are dropped and the model never updates. "
+                 "Pass leftover=\"carry\" to let windows span epochs, or lower "
+                 "accumulation_steps"),
+    }[leftover]
+    return (f"accumulation_steps={accumulation_steps} is longer than an epoch of "
+            f"{counted(epoch_steps, 'micro-batch')}: with leftover={leftover!r}, {what}.")
+
+
 def describe(window):
     """`a partial window of 2 micro-batches (16 samples)`."""
     return (f"a partial window of {counted(window.micro_batches, 'micro-batch')} "
