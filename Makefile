@@ -31,7 +31,7 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 
 # Keras 3 on JAX: its own file, and the files written for both backends.
 JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py \
-	tests/test_optimizers.py tests/test_interrupts.py
+	tests/test_optimizers.py tests/test_interrupts.py tests/test_reduction.py
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
