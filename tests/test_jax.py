@@ -5,6 +5,7 @@ leaves it out of the TensorFlow passes. Every comparison is update for
 update, through the shared oracle (`reference.compare`).
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -394,6 +395,35 @@ def test_count_items_in_a_custom_loss():
     result = compare(build, x, y, micro=4, steps=3)
     assert result.diff < TOL
     assert result.callback.counters.items == int(np.sum(y >= 0))
+
+
+@pytest.mark.parametrize("items, error, received", [
+    (True, TypeError, "True"), ("4", TypeError, "'4'"), (-4, ValueError, "-4"),
+    (2.5, ValueError, "2.5"), (float("nan"), ValueError, "nan"), (2**62, ValueError, str(2**62))])
+def test_count_items_refuses_what_is_no_count(items, error, received):
+    # Checked on the host, as on TensorFlow (it passed silently on JAX).
+    with pytest.raises(error, match=r"`count_items\(\)`.*Received: items=" + re.escape(received)):
+        tfaccum.count_items(items)
+
+
+def test_count_items_once_per_step_leaves_a_plain_model():
+    class TwiceCounted(TokenMeanLoss):
+        def call(self, y_true, y_pred):
+            tfaccum.count_items(3)
+            return super().call(y_true, y_pred)
+
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                              keras.layers.Embedding(10, 4), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=TwiceCounted(reduction="sum"))
+    x, y = sequences()
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"`count_items\(\)` was called 2 times in one step; "
+                       r"the window weights each micro-batch by one count"):
+        model.fit(x, y, batch_size=4, verbose=0,
+                  callbacks=[tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+    assert max_diff(model.get_weights(), before) == 0.0
 
 
 def test_mixed_bfloat16_is_close_to_the_large_batch():

@@ -1,12 +1,17 @@
 """`count_items()`: a custom loss or step says what its micro-batch's loss averaged over.
 
-The step that traces (TensorFlow's or JAX's) takes what it is told: a backend
-registers how it listens (`register`), or collects the counts said while it
-traces (`collected`).
+A count given as a Python or NumPy number is checked here, on every backend;
+a tensor is checked by the backend whose step traces it. The step that
+traces (TensorFlow's or JAX's) takes what it is told: a backend registers
+how it listens (`register`), or collects the counts said while it traces
+(`collected`); either refuses a second count in one step (`check_said_once`).
 """
 
 import contextlib
+import numbers
 import threading
+
+import numpy as np
 
 _listening = threading.local()  # a list of counts, while a step collects them
 _registered = []  # backends' own `count_items`, told in turn
@@ -46,6 +51,8 @@ def count_items(items):
             return ops.divide_no_nan(ops.sum(per_token), items)  # a token mean
     ```
     """
+    if not is_tensor(items):
+        _check_number(items)
     counts = getattr(_listening, "counts", None)
     if counts is not None:
         counts.append(items)
@@ -69,3 +76,46 @@ def collected():
         yield counts
     finally:
         _listening.counts = None
+
+
+# The largest count a micro-batch may say it averaged over: its window's
+# int64 total then holds 2**23 such micro-batches.
+MAX_ITEMS = 2**40
+
+
+def refuse(error, problem, items):
+    """Raises `error` saying what `count_items()` takes (`problem`) and what it got."""
+    raise error(
+        f"`count_items()` takes what one micro-batch's loss was divided by: {problem}. "
+        f"Received: items={items!r}"
+    )
+
+
+def is_tensor(items):
+    """Whether `items` is a framework's tensor (not a Python or NumPy number)."""
+    return (hasattr(items, "shape") and hasattr(items, "dtype")
+            and not isinstance(items, (np.ndarray, np.generic)))
+
+
+def _check_number(items):
+    """Checks a Python or NumPy count on the host."""
+    if isinstance(items, (bool, np.bool_)) or not isinstance(items, numbers.Real):
+        refuse(TypeError, "a whole number (a Python or NumPy number, or a scalar tensor)", items)
+    value = float(items)
+    if value != value or value in (float("inf"), float("-inf")):
+        refuse(ValueError, "a finite number", items)
+    if value < 0:
+        refuse(ValueError, "a count >= 0", items)
+    if value != int(value):
+        refuse(ValueError, "a whole number", items)
+    if int(items) > MAX_ITEMS:
+        refuse(ValueError, f"at most {MAX_ITEMS} (2**40) items", items)
+
+
+def check_said_once(said):
+    """Refuses a step that called `count_items()` more than once (`said`: the counts)."""
+    if len(said) > 1:
+        raise ValueError(
+            f"`count_items()` was called {len(said)} times in one step; the window weights "
+            "each micro-batch by one count. Call it once per step, with the total of what "
+            f"the step's loss was divided by. Received: items={said!r}")

@@ -133,11 +133,7 @@ class CompiledSteps:
         with _keras.loss_inputs(model) as seen, said_items.collected() as said:
             grads, loss, y_pred, non_trainable, new_metrics, _ = _keras.gradient_and_outputs(
                 model, (trainable, non_trainable, optimizer_variables, metrics), data)
-        if len(said) > 1:
-            raise ValueError(
-                f"`count_items()` was called {len(said)} times in one step; call it once "
-                "per step, with what the micro-batch's loss was divided by. Received: "
-                f"items={said!r}")
+        said_items.check_said_once(said)
         samples = samples // devices.shares
         # What the loss averaged over: what `count_items()` said, or its
         # unmasked elements where a mask or `ignore_class` reached it (one

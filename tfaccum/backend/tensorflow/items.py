@@ -12,11 +12,9 @@ custom steps and losses a way to say it themselves: `count_items()`.
 
 import collections
 import contextlib
-import numbers
 import threading
 import warnings
 
-import numpy as np
 import tensorflow as tf
 
 from tfaccum import items as items_api
@@ -45,18 +43,13 @@ class ItemCount:
     def __init__(self):
         self.per_output = []
         self.explicit = None
-        self._said = 0
+        self._said = []
 
-    def say(self, count):
+    def say(self, items):
         """Takes the count given with `count_items()` (once per step)."""
-        self._said += 1
-        if self._said > 1:
-            raise ValueError(
-                f"`count_items()` was called {self._said} times in one train step; "
-                "the window weights each micro-batch by one count. Call it once, "
-                "with the total of what the step's loss was divided by."
-            )
-        self.explicit = count
+        self._said.append(items)
+        items_api.check_said_once(self._said)
+        self.explicit = _checked_count(items)
 
     def uneven_outputs(self):
         """Outputs that need their own accumulator: several compiled losses,
@@ -93,49 +86,17 @@ class ItemCount:
         return samples, True
 
 
-# The largest count a micro-batch may say it averaged over: its window's
-# int64 total then holds 2**23 such micro-batches.
-MAX_ITEMS = 2**40
+MAX_ITEMS = items_api.MAX_ITEMS
 
 
 def count_items(items):
-    """TensorFlow's side of `tfaccum.count_items` (see it): tells the step tracing
-    in this thread. Another framework's tensor (a JAX model's loss, which a
-    JAX step collects) is no business of this one's."""
-    if not tf.is_tensor(items) and not _other_tensor(items):
-        _check_number(items)
+    """TensorFlow's side of `tfaccum.count_items` (see it; a number was checked
+    there): tells the step tracing in this thread. Another framework's tensor
+    (a JAX model's loss, which a JAX step collects) is no business of this one's."""
     count = getattr(_current, "count", None)
-    if count is not None:
-        count.say(_checked_count(items))
+    if count is not None and (tf.is_tensor(items) or not items_api.is_tensor(items)):
+        count.say(items)
     return items
-
-
-def _refuse(error, problem, items):
-    raise error(
-        f"`count_items()` takes what one micro-batch's loss was divided by: {problem}. "
-        f"Received: items={items!r}"
-    )
-
-
-def _other_tensor(items):
-    """Whether `items` is a tensor of another framework (not NumPy's)."""
-    return (hasattr(items, "shape") and hasattr(items, "dtype")
-            and not isinstance(items, (np.ndarray, np.generic)))
-
-
-def _check_number(items):
-    """Checks a Python or NumPy count on the host."""
-    if isinstance(items, (bool, np.bool_)) or not isinstance(items, numbers.Real):
-        _refuse(TypeError, "a whole number (a Python or NumPy number, or a scalar tensor)", items)
-    value = float(items)
-    if value != value or value in (float("inf"), float("-inf")):
-        _refuse(ValueError, "a finite number", items)
-    if value < 0:
-        _refuse(ValueError, "a count >= 0", items)
-    if value != int(value):
-        _refuse(ValueError, "a whole number", items)
-    if int(items) > MAX_ITEMS:
-        _refuse(ValueError, f"at most {MAX_ITEMS} (2**40) items", items)
 
 
 def _checked_count(items):
@@ -144,9 +105,12 @@ def _checked_count(items):
         return tf.constant(int(items), tf.int64)
     dtype = tf.as_dtype(items.dtype)
     if not (dtype.is_integer or dtype.is_floating) or dtype == tf.bool:
-        _refuse(TypeError, f"a number, not a tensor of {dtype.name}", items)
+        raise TypeError(f"`count_items()` takes what one micro-batch's loss was divided by: "
+                        f"a number, not a tensor of {dtype.name}. Received: items={items!r}")
     if items.shape.rank is not None and items.shape.rank != 0:
-        _refuse(ValueError, f"a scalar, not a tensor of shape {items.shape}", items)
+        raise ValueError(f"`count_items()` takes what one micro-batch's loss was divided by: "
+                         f"a scalar, not a tensor of shape {items.shape}. Received: "
+                         f"items={items!r}")
     value = tf.cast(items, tf.float64)
     checks = [
         (tf.math.is_finite(value), "a finite number"),
