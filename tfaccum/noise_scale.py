@@ -48,3 +48,43 @@ def window_estimates(window_square, big, squares, seen, batches, ops):
 def smoothed(average, value, first, ops):
     """The moving average moved by `value` (`value` itself at the first window)."""
     return ops.where(first, value, SMOOTHING * average + (1.0 - SMOOTHING) * value)
+
+
+# The estimator's state, the same on every backend (arrays of the backend's
+# namespace `ops`: a dict of `tf` values read from variables, or JAX arrays).
+#   micro: the open window's micro-batches, [sum b |g|^2, sum b, how many];
+#   gradient_square, trace: |G|^2 and tr(Sigma), smoothed;
+#   micro_batch: the last B_small; windows: windows that gave an estimate.
+
+
+def add_micro_batch(state, square, samples, ops):
+    """`state` with one (small) batch of the window added: its squared gradient
+    norm and its size (float32 scalars)."""
+    added = ops.stack([samples * square, samples, ops.where(samples > 0, 1.0, 0.0)])
+    return dict(state, micro=state["micro"] + added)
+
+
+def add_window(state, window_square, big, ops):
+    """`state` with one window's estimates added, from the micro-batches added
+    since the last (which are forgotten).
+
+    Args:
+        window_square: Squared norm of the window's (normalised) gradient.
+        big: Samples the window held (B_big), float32.
+    """
+    squares, seen, batches = state["micro"][0], state["micro"][1], state["micro"][2]
+    defined, small, gradient_square, trace = window_estimates(
+        window_square, big, squares, seen, batches, ops)
+    first = state["windows"] == 0
+    moved = {name: ops.where(defined, smoothed(state[name], value, first, ops), state[name])
+             for name, value in (("gradient_square", gradient_square), ("trace", trace))}
+    return dict(state, **moved, micro=state["micro"] * 0.0,
+                micro_batch=ops.where(defined, small, state["micro_batch"]),
+                windows=state["windows"] + ops.where(defined, 1.0, 0.0))
+
+
+def current(state, ops):
+    """B_simple, NaN while it is not defined."""
+    defined = (state["windows"] > 0) & (state["gradient_square"] > 0)
+    return ops.where(defined, state["trace"] / ops.where(defined, state["gradient_square"], 1.0),
+                     float("nan"))

@@ -12,8 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from tb_plugin import metadata
-from tfaccum.noise_scale import smoothed
-from tfaccum.noise_scale import window_estimates
+from tfaccum import noise_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,29 +98,18 @@ class NoiseScaleEstimator(WindowObserver):
         return f"NoiseScaleEstimator(noise_scale={self.noise_scale!r})"
 
     def initial(self):
-        # sum b |g|^2, sum b and micro-batches measured in the open window;
-        # then |G|^2 and tr(Sigma) smoothed, the last B_small, windows measured.
+        # `tfaccum.noise_scale`'s state, as device arrays.
         return {"micro": jnp.zeros(3, jnp.float32), "gradient_square": jnp.zeros(()),
                 "trace": jnp.zeros(()), "micro_batch": jnp.zeros(()),
-                "windows": jnp.zeros((), jnp.int32)}
+                "windows": jnp.zeros((), jnp.float32)}
 
     def on_micro_step(self, state, step):
-        samples = jnp.asarray(step.samples, jnp.float32)
-        added = jnp.stack([samples * step.squared_norm, samples,
-                           (samples > 0).astype(jnp.float32)])
-        return dict(state, micro=state["micro"] + added)
+        return noise_scale.add_micro_batch(state, step.squared_norm,
+                                           jnp.asarray(step.samples, jnp.float32), jnp)
 
     def on_apply(self, state, update):
-        big = jnp.asarray(update.samples, jnp.float32)
-        squares, seen, batches = state["micro"]
-        defined, small, gradient_square, trace = window_estimates(
-            update.squared_norm, big, squares, seen, batches, jnp)
-        first = state["windows"] == 0
-        moved = {name: jnp.where(defined, smoothed(state[name], value, first, jnp), state[name])
-                 for name, value in (("gradient_square", gradient_square), ("trace", trace))}
-        return dict(state, **moved, micro=jnp.zeros(3, jnp.float32),
-                    micro_batch=jnp.where(defined, small, state["micro_batch"]),
-                    windows=state["windows"] + defined.astype(jnp.int32))
+        return noise_scale.add_window(state, update.squared_norm,
+                                      jnp.asarray(update.samples, jnp.float32), jnp)
 
     def on_reset(self):
         """A window dropped: what its micro-batches added goes (on the host's copy)."""
@@ -135,10 +123,7 @@ class NoiseScaleEstimator(WindowObserver):
 
     def current(self):
         """B_simple now as a device scalar, NaN while it is not defined (no read)."""
-        state = self.state()
-        defined = (state["windows"] > 0) & (state["gradient_square"] > 0)
-        return jnp.where(defined, state["trace"] / jnp.where(defined, state["gradient_square"], 1.0),
-                         jnp.float32(float("nan")))
+        return noise_scale.current(self.state(), jnp)
 
     @property
     def noise_scale(self):

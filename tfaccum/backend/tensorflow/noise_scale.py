@@ -8,8 +8,7 @@ import tensorflow as tf
 from tb_plugin import metadata
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.observers import WindowObserver
-from tfaccum.noise_scale import smoothed
-from tfaccum.noise_scale import window_estimates
+from tfaccum import noise_scale as estimates
 
 
 class NoiseScaleEstimator(WindowObserver):
@@ -46,7 +45,20 @@ class NoiseScaleEstimator(WindowObserver):
         self._gradient_square = variable("gradient_square_ema")  # |G|^2
         self._trace = variable("trace_sigma_ema")  # tr(Sigma)
         self._micro_batch = variable("micro_batch_size")  # last B_small
-        self._windows = variable("noise_scale_windows", tf.int64)
+        self._windows = variable("noise_scale_windows")  # a float32 count
+
+    def _state(self):
+        """`tfaccum.noise_scale`'s state, read from the variables."""
+        return {"micro": self._micro.read_value(),
+                "gradient_square": self._gradient_square.read_value(),
+                "trace": self._trace.read_value(), "micro_batch": self._micro_batch.read_value(),
+                "windows": self._windows.read_value()}
+
+    def _keep(self, state):
+        for variable, name in ((self._micro, "micro"), (self._gradient_square, "gradient_square"),
+                               (self._trace, "trace"), (self._micro_batch, "micro_batch"),
+                               (self._windows, "windows")):
+            variable.assign(state[name])
 
     def __repr__(self):
         return f"NoiseScaleEstimator(noise_scale={self.noise_scale!r})"
@@ -71,18 +83,17 @@ class NoiseScaleEstimator(WindowObserver):
 
     def restart(self):
         """Forgets every estimate (a new `fit` of a new callback)."""
-        for variable in (self._gradient_square, self._trace, self._micro_batch):
+        for variable in (self._gradient_square, self._trace, self._micro_batch, self._windows):
             variable.assign(tf.zeros_like(variable))
-        self._windows.assign(0)
         self.on_reset()
 
     # -- the estimators ----------------------------------------------------------
 
     def add_micro_batch(self, square, samples):
         """Adds a (small) batch of the window: its squared gradient norm and size."""
-        samples = tf.cast(samples, tf.float32)
-        self._micro.assign_add(tf.stack([samples * square, samples,
-                                         tf.cast(samples > 0, tf.float32)]))
+        self._micro.assign(estimates.add_micro_batch(
+            {"micro": self._micro.read_value()}, square, tf.cast(samples, tf.float32),
+            tf)["micro"])
 
     def add_window(self, window_square, samples):
         """Adds one window's estimates, from the batches added since the last.
@@ -91,21 +102,12 @@ class NoiseScaleEstimator(WindowObserver):
             window_square: Squared norm of the window's (normalised) gradient.
             samples: Samples the window held (B_big), int64.
         """
-        big = tf.cast(samples, tf.float32)
-        squares, seen, batches = tf.unstack(self._micro.read_value())
-        defined, small, gradient_square, trace = window_estimates(
-            window_square, big, squares, seen, batches, tf)
-        first = tf.equal(self._windows, 0)
-        for ema, value in ((self._gradient_square, gradient_square), (self._trace, trace)):
-            ema.assign(tf.where(defined, smoothed(ema, value, first, tf), ema))
-        self._micro_batch.assign(tf.where(defined, small, self._micro_batch))
-        self._windows.assign_add(tf.cast(defined, tf.int64))
-        self.on_reset()
+        self._keep(estimates.add_window(self._state(), window_square,
+                                        tf.cast(samples, tf.float32), tf))
 
     def current(self):
         """B_simple now as a float32 tensor, NaN while it is not defined."""
-        defined = tf.logical_and(self._windows > 0, self._gradient_square > 0.0)
-        return tf.where(defined, self._trace / self._gradient_square, float("nan"))
+        return estimates.current(self._state(), tf)
 
     # -- on the host ----------------------------------------------------------
 
