@@ -57,11 +57,11 @@ def smoothed(average, value, first, ops):
 #   micro_batch: the last B_small; windows: windows that gave an estimate.
 
 
-def add_micro_batch(state, square, samples, ops):
-    """`state` with one (small) batch of the window added: its squared gradient
-    norm and its size (float32 scalars)."""
-    added = ops.stack([samples * square, samples, ops.where(samples > 0, 1.0, 0.0)])
-    return dict(state, micro=state["micro"] + added)
+def micro_batch_terms(square, samples, ops):
+    """What one (small) batch of the window adds to `state["micro"]`: from its
+    squared gradient norm and its size (float32 scalars; a size is a whole
+    number, so `minimum(samples, 1)` counts the batches that held any)."""
+    return ops.stack([samples * square, samples, ops.minimum(samples, 1.0)])
 
 
 def add_window(state, window_square, big, ops):
@@ -78,7 +78,7 @@ def add_window(state, window_square, big, ops):
     first = state["windows"] == 0
     moved = {name: ops.where(defined, smoothed(state[name], value, first, ops), state[name])
              for name, value in (("gradient_square", gradient_square), ("trace", trace))}
-    return dict(state, **moved, micro=state["micro"] * 0.0,
+    return dict(state, **moved, micro=ops.zeros_like(state["micro"]),
                 micro_batch=ops.where(defined, small, state["micro_batch"]),
                 windows=state["windows"] + ops.where(defined, 1.0, 0.0))
 

@@ -104,8 +104,8 @@ class NoiseScaleEstimator(WindowObserver):
                 "windows": jnp.zeros((), jnp.float32)}
 
     def on_micro_step(self, state, step):
-        return noise_scale.add_micro_batch(state, step.squared_norm,
-                                           jnp.asarray(step.samples, jnp.float32), jnp)
+        return dict(state, micro=state["micro"] + noise_scale.micro_batch_terms(
+            step.squared_norm, jnp.asarray(step.samples, jnp.float32), jnp))
 
     def on_apply(self, state, update):
         return noise_scale.add_window(state, update.squared_norm,

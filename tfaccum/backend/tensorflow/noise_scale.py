@@ -91,9 +91,8 @@ class NoiseScaleEstimator(WindowObserver):
 
     def add_micro_batch(self, square, samples):
         """Adds a (small) batch of the window: its squared gradient norm and size."""
-        self._micro.assign(estimates.add_micro_batch(
-            {"micro": self._micro.read_value()}, square, tf.cast(samples, tf.float32),
-            tf)["micro"])
+        self._micro.assign_add(estimates.micro_batch_terms(
+            square, tf.cast(samples, tf.float32), tf))
 
     def add_window(self, window_square, samples):
         """Adds one window's estimates, from the batches added since the last.
