@@ -105,6 +105,9 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def __new__(cls, *args, **kwargs):
         checks.check_keywords_only(args, "accumulation_steps")
+        # A misspelt keyword is named before Python says a required one is missing.
+        checks.reject_unknown({k: v for k, v in kwargs.items() if k not in _OPTIONS},
+                              list(_OPTIONS))
         return super().__new__(cls)
 
     def __init__(
