@@ -107,7 +107,7 @@ class GradientAccumulationCallback(_keras.Callback):
         checks.check_keywords_only(args, "accumulation_steps")
         # A misspelt keyword is named before Python says a required one is missing.
         checks.reject_unknown({k: v for k, v in kwargs.items() if k not in _OPTIONS},
-                              list(_OPTIONS))
+                              list(_OPTIONS))  # `__init__` then takes only known ones
         return super().__new__(cls)
 
     def __init__(
@@ -124,9 +124,7 @@ class GradientAccumulationCallback(_keras.Callback):
         write_interval=30.0,
         sparse_gradients="rows",
         accumulator_dtype="float32",
-        **kwargs,
     ):
-        checks.reject_unknown(kwargs, list(_OPTIONS))
         _keras.check_backend()
         super().__init__()
         self.schedule = AccumulationSchedule(accumulation_steps)

@@ -88,10 +88,7 @@ def republish(model):
     """Publishes the variables' state in place of a running `fit`'s (after the hook
     assigned them new arrays and donated the old: a flush)."""
     if getattr(model, "_jax_state", None):
-        publish(model, ([v.value for v in model.trainable_variables],
-                        [v.value for v in model.non_trainable_variables],
-                        [v.value for v in model.optimizer.variables],
-                        [v.value for v in model.metrics_variables]))
+        publish(model, [[v.value for v in variables] for variables in _state_variables(model)])
 
 
 def restore(model, state):
@@ -103,14 +100,16 @@ def restore(model, state):
     end would write back the state of the batch before, whose arrays the
     failed step was given (private: `_jax_state_synced`, the same versions).
     """
-    trainable, non_trainable, optimizer_variables, metrics = state
-    for variables, values in ((model.trainable_variables, trainable),
-                              (model.non_trainable_variables, non_trainable),
-                              (model.optimizer.variables, optimizer_variables),
-                              (model.metrics_variables, metrics)):
+    for variables, values in zip(_state_variables(model), state):
         for variable, value in zip(variables, values):
             variable.assign(value)
     model._jax_state_synced = True
+
+
+def _state_variables(model):
+    """The variables of the trainer's state, in its order."""
+    return (model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables)
 
 
 def batch_size(data):
