@@ -85,12 +85,12 @@ benchmark: $(VENV)/.installed-examples
 benchmarks: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/run_all.py $(if $(BENCHMARKS),--only $(BENCHMARKS))
 
-# Regenerates tb_plugin/accumulation_pb2.py. protoc 25 writes code that runs on
+# Regenerates tfaccum/accumulation_pb2.py. protoc 25 writes code that runs on
 # every protobuf from 4.21 on (newer protoc pins the protobuf runtime).
 proto:
 	$(PYTHON) -m venv .venv-proto
 	.venv-proto/bin/python -m pip install --quiet 'grpcio-tools==1.62.*'
-	.venv-proto/bin/python -m grpc_tools.protoc -Itb_plugin --python_out=tb_plugin tb_plugin/accumulation.proto
+	.venv-proto/bin/python -m grpc_tools.protoc -Itfaccum --python_out=tfaccum tfaccum/accumulation.proto
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) .venv-proto runs .pytest_cache

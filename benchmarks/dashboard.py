@@ -39,7 +39,7 @@ from tensorboard.compat.proto import tensor_shape_pb2
 from tensorboard.compat.proto import types_pb2
 from tensorboard.summary.writer import event_file_writer
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 
 API = "data/plugin/accumulation/"
 
@@ -47,14 +47,14 @@ API = "data/plugin/accumulation/"
 def write_runs(root, runs, updates, variables, seed=0):
     """Event files as the callback writes them: one point per tag per update."""
     rng = np.random.default_rng(seed)
-    tags = [(metadata.TAG_PREFIX + name, metadata.create_summary_metadata(kind))
-            for name, kind in metadata.UPDATE_SERIES]
-    tags += [(f"{metadata.ACCUMULATOR_PREFIX}layer_{v}/kernel",
-              metadata.create_summary_metadata(metadata.Kind.ACCUMULATOR_NORM,
+    tags = [(dashboard_schema.TAG_PREFIX + name, dashboard_schema.create_summary_metadata(kind))
+            for name, kind in dashboard_schema.UPDATE_SERIES]
+    tags += [(f"{dashboard_schema.ACCUMULATOR_PREFIX}layer_{v}/kernel",
+              dashboard_schema.create_summary_metadata(dashboard_schema.Kind.ACCUMULATOR_NORM,
                                                variable=f"layer_{v}/kernel"))
              for v in range(variables)]
-    leftover = [(metadata.TAG_PREFIX + name, metadata.create_summary_metadata(kind))
-                for name, kind in metadata.LEFTOVER_SERIES]
+    leftover = [(dashboard_schema.TAG_PREFIX + name, dashboard_schema.create_summary_metadata(kind))
+                for name, kind in dashboard_schema.LEFTOVER_SERIES]
     shape = tensor_shape_pb2.TensorShapeProto()
     for r in range(runs):
         writer = event_file_writer.EventFileWriter(str(root / f"run-{r}"))

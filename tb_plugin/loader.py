@@ -23,11 +23,11 @@ class AccumulationPluginLoader(base_plugin.TBLoader):
         third-party plugin.
         """
         try:
-            from tb_plugin import metadata
+            from tfaccum import dashboard_schema
 
             samples = getattr(flags, "samples_per_plugin", None)
             if isinstance(samples, dict):
-                samples.setdefault(metadata.PLUGIN_NAME, metadata.DEFAULT_SAMPLES)
+                samples.setdefault(dashboard_schema.PLUGIN_NAME, dashboard_schema.DEFAULT_SAMPLES)
         except Exception:  # noqa: BLE001 - never crash TensorBoard
             logger.exception("tb_plugin could not set its sampling default")
 

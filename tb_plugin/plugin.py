@@ -21,7 +21,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from tb_plugin import cache
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tb_plugin.downsample import downsample_min_max
 from tb_plugin.downsample import finite_or_text
 from tb_plugin.downsample import heat_map
@@ -31,19 +31,19 @@ DEFAULT_COLUMNS = 120  # heat map columns sent to the page
 MAX_POINTS = 100_000
 READ_FACTOR = 4  # points read from the data provider per point drawn
 _ALL = 2**62  # `--samples_per_plugin=accumulation=0`: everything kept
-_APPLIED = metadata.TAG_PREFIX + "applied_gradient_norm"
+_APPLIED = dashboard_schema.TAG_PREFIX + "applied_gradient_norm"
 _STATIC = ("index.js", "model.js", "views.js", "charts.js")
 
 
 class AccumulationPlugin(base_plugin.TBPlugin):
     """Serves the Accumulation dashboard."""
 
-    plugin_name = metadata.PLUGIN_NAME
+    plugin_name = dashboard_schema.PLUGIN_NAME
 
     def __init__(self, context):
         self._data_provider = context.data_provider
         hint = (context.sampling_hints or {}).get(self.plugin_name)
-        self._downsample_to = _ALL if hint == 0 else (hint or metadata.DEFAULT_SAMPLES)
+        self._downsample_to = _ALL if hint == 0 else (hint or dashboard_schema.DEFAULT_SAMPLES)
         self._answers = cache.AnswerCache()
         self._listings = cache.Listings()
 
@@ -143,7 +143,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 if data is None:
                     problems.append(_problem(
                         tag, f"{tag}: written by a newer tfaccum (plugin data version "
-                        f"> {metadata.PROTO_VERSION}); upgrade tfaccum to read it; skipped"))
+                        f"> {dashboard_schema.PROTO_VERSION}); upgrade tfaccum to read it; skipped"))
                     continue
                 readable[tag] = (data, series)
             # New points move a tag's last step or wall time: cached answers
@@ -216,15 +216,15 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 "updates": applied[1].max_step if applied else 0,
                 "variables": sum(
                     1 for data, _ in listed.tags.values()
-                    if data.kind == metadata.Kind.ACCUMULATOR_NORM
+                    if data.kind == dashboard_schema.Kind.ACCUMULATOR_NORM
                 ),
                 "problems": listed.problems,
             })
-        return {"runs": runs, "vocabulary": metadata.VOCABULARY}
+        return {"runs": runs, "vocabulary": dashboard_schema.VOCABULARY}
 
     def _series(self, ctx, experiment, run, listed, points, columns):
         tags, problems = listed.tags, list(listed.problems)
-        update_tags = [metadata.TAG_PREFIX + name for name, _ in metadata.UPDATE_SERIES]
+        update_tags = [dashboard_schema.TAG_PREFIX + name for name, _ in dashboard_schema.UPDATE_SERIES]
         # Read a bounded sample of what TensorBoard keeps, then pick the
         # extremes of it: long runs stay fast, spikes stay visible. Series
         # written together have the same steps, so the provider's
@@ -238,21 +238,21 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         keep = downsample_min_max([value for _, value in applied], points)
         steps = [applied[i][0] for i in keep]
         columns_by_name = {}
-        for name, _ in metadata.UPDATE_SERIES:
-            by_step = dict(data.get(metadata.TAG_PREFIX + name, []))
+        for name, _ in dashboard_schema.UPDATE_SERIES:
+            by_step = dict(data.get(dashboard_schema.TAG_PREFIX + name, []))
             columns_by_name[name] = [by_step.get(step) for step in steps]
         series = {name: [finite_or_text(v) for v in column]
                   for name, column in columns_by_name.items()}
-        policy_tag = metadata.TAG_PREFIX + "leftover/policy"
+        policy_tag = dashboard_schema.TAG_PREFIX + "leftover/policy"
         policies = self._read(ctx, experiment, run, [policy_tag] if policy_tag in tags else [],
                               _ALL, [])  # what cannot be read is the events route's to report
-        advice = metadata.run_advice(
+        advice = dashboard_schema.run_advice(
             steps, columns_by_name["noise_scale"], columns_by_name["window_items"],
             columns_by_name["window_samples"], columns_by_name["window_micro_batches"],
             [step for step, value in policies.get(policy_tag, []) if _policy(value) == "flush"])
         variables = sorted(
             (d.variable, tag) for tag, (d, _) in tags.items()
-            if d.kind == metadata.Kind.ACCUMULATOR_NORM
+            if d.kind == dashboard_schema.Kind.ACCUMULATOR_NORM
         )
         norms = self._read(ctx, experiment, run, [tag for _, tag in variables],
                            min(self._downsample_to, READ_FACTOR * columns), problems)
@@ -274,7 +274,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
 
     def _events(self, ctx, experiment, run, listed):
         tags, problems = listed.tags, list(listed.problems)
-        names = [metadata.TAG_PREFIX + name for name, _ in metadata.LEFTOVER_SERIES]
+        names = [dashboard_schema.TAG_PREFIX + name for name, _ in dashboard_schema.LEFTOVER_SERIES]
         data = self._read(ctx, experiment, run, [t for t in names if t in tags], _ALL, problems)
         policies, micro_batches, samples = (dict(data.get(tag, [])) for tag in names)
         events = []
@@ -283,7 +283,7 @@ class AccumulationPlugin(base_plugin.TBPlugin):
             if policy is None:
                 problems.append(_problem(names[0], (
                     f"{names[0]}: step {step}: leftover policy {value!r} is not one of "
-                    + ", ".join(f"{i} ({p})" for i, p in enumerate(metadata.LEFTOVER_POLICIES))
+                    + ", ".join(f"{i} ({p})" for i, p in enumerate(dashboard_schema.LEFTOVER_POLICIES))
                     + "; event skipped")))
                 continue
             events.append({
@@ -295,11 +295,11 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         counter_names = ("micro_steps", "skipped_updates", "nonfinite_skips")
         last = self._read_last(
             ctx, experiment, run,
-            [t for t in [_APPLIED] + [metadata.TAG_PREFIX + n for n in counter_names] if t in tags],
+            [t for t in [_APPLIED] + [dashboard_schema.TAG_PREFIX + n for n in counter_names] if t in tags],
             problems)
 
         def last_value(name):
-            tag = metadata.TAG_PREFIX + name
+            tag = dashboard_schema.TAG_PREFIX + name
             return _count(tag, last[tag][0], last[tag][1], problems) if tag in last else None
 
         applied = last.get(_APPLIED)
@@ -344,8 +344,8 @@ def _real_points(tag, datums, problems):
 
 def _policy(value):
     """The policy a leftover event stores as its index, or `None` if it is none."""
-    if math.isfinite(value) and value == int(value) and 0 <= value < len(metadata.LEFTOVER_POLICIES):
-        return metadata.LEFTOVER_POLICIES[int(value)]
+    if math.isfinite(value) and value == int(value) and 0 <= value < len(dashboard_schema.LEFTOVER_POLICIES):
+        return dashboard_schema.LEFTOVER_POLICIES[int(value)]
     return None
 
 
@@ -419,6 +419,6 @@ class _Listed(collections.namedtuple("_Listed", "tags problems generation")):
 
 @functools.lru_cache(maxsize=4096)
 def _parse_plugin_metadata(content):
-    return metadata.parse_plugin_metadata(content)
+    return dashboard_schema.parse_plugin_metadata(content)
 
 

@@ -23,7 +23,7 @@ from reference import make_data
 from reference import make_model
 from tensorboard_server import TensorBoard
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tb_plugin.downsample import finite_or_text
 from tfaccum import GradientAccumulationCallback
 
@@ -101,9 +101,9 @@ def expected_advice(series, events):
     at = (full or windows)[-1]
     noise, batch = estimates[-1], column["window_samples"][at]
     micro_batch = batch / column["window_micro_batches"][at]
-    # The rule as the callback applies it: one definition, in metadata.
-    suggested = metadata.suggested_accumulation_steps(noise, micro_batch)
-    return metadata.batch_advice(batch, noise), str(suggested), batch
+    # The rule as the callback applies it: one definition, in dashboard_schema.
+    suggested = dashboard_schema.suggested_accumulation_steps(noise, micro_batch)
+    return dashboard_schema.batch_advice(batch, noise), str(suggested), batch
 
 
 # -- browser ----------------------------------------------------------------------
@@ -335,9 +335,9 @@ def synthetic_run(run):
         },
         "accumulators": {"variables": [], "columns": [], "values": []},
     }
-    # The advice the series route computes (`metadata.run_advice`) from these numbers.
+    # The advice the series route computes (`dashboard_schema.run_advice`) from these numbers.
     numbers = [None if v is None else float(v) for v in noise]
-    advice = metadata.run_advice(series["steps"], numbers, [None] * n, samples, micro_batches,
+    advice = dashboard_schema.run_advice(series["steps"], numbers, [None] * n, samples, micro_batches,
                                  flushed)
     series["advice"] = {key: finite_or_text(value) if isinstance(value, float) else value
                         for key, value in advice.items()}
@@ -362,7 +362,7 @@ def test_batch_size_advice_for_known_numbers(browser, served):
         if route_name == "runs":
             body = {"runs": [{"run": run, "updates": len(case[0]), "variables": 0}
                              for run, case in ADVISOR_CASES.items()],
-                    "vocabulary": metadata.VOCABULARY}
+                    "vocabulary": dashboard_schema.VOCABULARY}
         else:
             run = urllib.parse.parse_qs(url.query)["run"][0]
             body = dict(zip(("series", "events"), synthetic_run(run)))[route_name]
@@ -440,7 +440,7 @@ def test_empty_state_without_accumulation_runs(browser, tmp_path):
     try:
         server.wait_started()
         server.wait_for(lambda tb: "plain" in tb.get_json("data/runs"), "the plain run")
-        assert server.get_json(API + "runs") == {"runs": [], "vocabulary": metadata.VOCABULARY}
+        assert server.get_json(API + "runs") == {"runs": [], "vocabulary": dashboard_schema.VOCABULARY}
         # TensorBoard shows no tab for a plugin without data: open the tab's document.
         page = open_page(browser, server.url + ENTRY)
         page.wait_for_function(READY)
@@ -466,13 +466,13 @@ def test_a_hostile_run_is_reported_and_the_good_one_drawn(browser, runs, tmp_pat
     good_root, counters = runs
     root = tmp_path
     shutil.copytree(good_root / "run-flush", root / "good")
-    applied = metadata.TAG_PREFIX + "applied_gradient_norm"
+    applied = dashboard_schema.TAG_PREFIX + "applied_gradient_norm"
     write(root / "hostile", applied, [tf.constant(1.0)] * 3,
-          accumulation_meta(metadata.Kind.APPLIED_GRADIENT_NORM))
-    write(root / "hostile", metadata.TAG_PREFIX + "micro_norm_max", [tf.constant(1.0)] * 3,
+          accumulation_meta(dashboard_schema.Kind.APPLIED_GRADIENT_NORM))
+    write(root / "hostile", dashboard_schema.TAG_PREFIX + "micro_norm_max", [tf.constant(1.0)] * 3,
           GARBAGE_META)
-    write(root / "hostile", metadata.TAG_PREFIX + "leftover/policy", [tf.constant(7.0)],
-          accumulation_meta(metadata.Kind.LEFTOVER_POLICY))
+    write(root / "hostile", dashboard_schema.TAG_PREFIX + "leftover/policy", [tf.constant(7.0)],
+          accumulation_meta(dashboard_schema.Kind.LEFTOVER_POLICY))
     server = TensorBoard(root)
     try:
         server.wait_started()

@@ -22,7 +22,7 @@ from test_summary import gradients
 from reference import read_run
 from test_summary import values
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 
@@ -212,7 +212,7 @@ def test_dashboard_series_are_those_of_the_global_window(tmp_path):
     assert values(series, "window_samples") == [32, 32, 32, 4] * 3
     # Per variable (the layers' auto-numbered names differ; their order not).
     def per_variable(run):
-        tags = sorted(t for t in run if t.startswith(metadata.ACCUMULATOR_PREFIX))
+        tags = sorted(t for t in run if t.startswith(dashboard_schema.ACCUMULATOR_PREFIX))
         return [[float(v) for _, v in run[tag]] for tag in tags]
 
     assert len(per_variable(series)) == len(per_variable(expected)) == 4

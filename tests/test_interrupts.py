@@ -29,7 +29,7 @@ from reference import read_run
 from reference import train_large_batches
 from reference import windows
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 
 # 5 micro-batches of 8 an epoch, windows of 4: each epoch ends with a
@@ -122,7 +122,7 @@ def check_left_at_its_last_update(model, callback, x, y, leftover, log_dir=None)
     assert all_finite(model.get_weights())
     if log_dir is not None:
         series, _ = read_run(log_dir)
-        steps = [s for s, _ in series.get(metadata.TAG_PREFIX + "applied_gradient_norm", [])]
+        steps = [s for s, _ in series.get(dashboard_schema.TAG_PREFIX + "applied_gradient_norm", [])]
         assert steps == list(range(1, updates + 1))  # none twice, none lost
     return updates
 

@@ -281,7 +281,7 @@ def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
     from test_plugin import client_for
     from test_plugin import get_json
 
-    from tb_plugin import metadata
+    from tfaccum import dashboard_schema
 
     x, y = make_data()  # 100 samples: 3 windows of 4 micro-batches and 1 left, per epoch
     callbacks = {}
@@ -297,7 +297,7 @@ def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
     body = get_json(client, "/series?run=flushing")
     assert body["steps"] == list(range(1, 13))
     series = body["series"]
-    assert set(series) == {name for name, _ in metadata.UPDATE_SERIES}
+    assert set(series) == {name for name, _ in dashboard_schema.UPDATE_SERIES}
     assert series["window_micro_batches"] == [4, 4, 4, 1] * 3
     assert series["window_samples"] == [32, 32, 32, 4] * 3
     assert series["micro_steps"] == [4, 8, 12, 13, 17, 21, 25, 26, 30, 34, 38, 39]
@@ -350,7 +350,7 @@ def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
     from test_keras_hub import sentences
 
     from reference import read_run
-    from tb_plugin import metadata
+    from tfaccum import dashboard_schema
 
     texts = sentences()  # 40: windows of 4 x 4, the last one partial and flushed
     reference = gpt2_causal_lm()
@@ -364,7 +364,7 @@ def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
     assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
     assert callback.optimizer_steps == int(reference.optimizer.iterations.numpy())
     series, _ = read_run(str(tmp_path / "logs"))
-    applied = series[metadata.TAG_PREFIX + "applied_gradient_norm"]
+    applied = series[dashboard_schema.TAG_PREFIX + "applied_gradient_norm"]
     assert [step for step, _ in applied] == list(range(1, 7))
 
 

@@ -14,7 +14,7 @@ from reference import max_weight_diff
 from reference import read_run
 
 import tfaccum
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 
 TOL = 1e-5
@@ -85,7 +85,7 @@ def compile_sgd(model):
 
 def check_dashboard_and_round_trip(model, callback, log_dir, tmp_path):
     series, _ = read_run(str(log_dir))
-    applied = series[metadata.TAG_PREFIX + "applied_gradient_norm"]
+    applied = series[dashboard_schema.TAG_PREFIX + "applied_gradient_norm"]
     assert [step for step, _ in applied] == list(range(1, callback.optimizer_steps + 1))
     assert all(np.isfinite(float(v)) for _, v in applied)
     assert not tfaccum.AccumulationHook.installed_on(model)

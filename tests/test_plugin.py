@@ -17,7 +17,7 @@ from reference import make_data
 from reference import make_model
 
 from tb_plugin import cache
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tb_plugin.downsample import downsample_min_max
 from tb_plugin.loader import AccumulationPluginLoader
 from tb_plugin.plugin import AccumulationPlugin
@@ -52,7 +52,7 @@ def logdir(tmp_path_factory):
 
 def client_for(root, hints=None):
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
-        tensor_size_guidance={metadata.PLUGIN_NAME: 0})
+        tensor_size_guidance={dashboard_schema.PLUGIN_NAME: 0})
     multiplexer.AddRunsFromDirectory(str(root))
     multiplexer.Reload()
     provider = data_provider.MultiplexerDataProvider(multiplexer, str(root))
@@ -74,7 +74,7 @@ def test_runs(logdir):
     root, _ = logdir
     body = get_json(client_for(root), "/runs")
     # The vocabulary the page reads comes from Python's one definition.
-    assert body["vocabulary"] == metadata.VOCABULARY
+    assert body["vocabulary"] == dashboard_schema.VOCABULARY
     assert body["vocabulary"]["leftover_policies"] == ["flush", "carry", "drop"]
     runs = body["runs"]
     assert [r["run"] for r in runs] == ["dropping", "flushing", "nonfinite"]
@@ -89,7 +89,7 @@ def test_series(logdir):
     assert body["steps"] == list(range(1, 13))
     assert body["sampled"] == callbacks["flushing"].optimizer_steps == 12
     series = body["series"]
-    assert set(series) == {name for name, _ in metadata.UPDATE_SERIES}
+    assert set(series) == {name for name, _ in dashboard_schema.UPDATE_SERIES}
     assert series["window_micro_batches"] == [4, 4, 4, 1] * 3
     assert all(len(v) == 12 for v in series.values())
     accumulators = body["accumulators"]
@@ -174,10 +174,10 @@ def long_run(tmp_path_factory):
     import tensorflow as tf
 
     root = tmp_path_factory.mktemp("long")
-    meta = metadata.create_summary_metadata(metadata.Kind.APPLIED_GRADIENT_NORM)
+    meta = dashboard_schema.create_summary_metadata(dashboard_schema.Kind.APPLIED_GRADIENT_NORM)
     with tf.summary.create_file_writer(str(root / "long")).as_default():
         for step in range(1, 1501):
-            tf.summary.write(metadata.TAG_PREFIX + "applied_gradient_norm",
+            tf.summary.write(dashboard_schema.TAG_PREFIX + "applied_gradient_norm",
                              tf.constant(1.0 + step % 7, tf.float32), step=step,
                              metadata=meta.SerializeToString())
     return root
@@ -186,7 +186,7 @@ def long_run(tmp_path_factory):
 @pytest.mark.parametrize("hint, expected", [(None, 1000), (5, 5), (0, 1500)])
 def test_samples_per_plugin_is_honoured(long_run, hint, expected):
     """`--samples_per_plugin=accumulation=N` bounds what is read; 0 means all."""
-    hints = {} if hint is None else {metadata.PLUGIN_NAME: hint}
+    hints = {} if hint is None else {dashboard_schema.PLUGIN_NAME: hint}
     body = get_json(client_for(long_run, hints), "/series?run=long")
     assert body["sampled"] == expected
 
@@ -205,7 +205,7 @@ def test_static_files_and_frontend_metadata(logdir):
 
 
 def test_plugin_imports_no_tensorflow():
-    code = ("import sys, tb_plugin.loader, tb_plugin.plugin, tb_plugin.metadata; "
+    code = ("import sys, tb_plugin.loader, tb_plugin.plugin, tfaccum.dashboard_schema; "
             "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -283,8 +283,8 @@ def test_answers_are_kept_until_the_run_has_new_data(tmp_path):
 
     import tensorflow as tf
 
-    tag = metadata.TAG_PREFIX + "applied_gradient_norm"
-    meta = metadata.create_summary_metadata(metadata.Kind.APPLIED_GRADIENT_NORM)
+    tag = dashboard_schema.TAG_PREFIX + "applied_gradient_norm"
+    meta = dashboard_schema.create_summary_metadata(dashboard_schema.Kind.APPLIED_GRADIENT_NORM)
 
     def write(steps):
         with tf.summary.create_file_writer(str(tmp_path / "run")).as_default():
@@ -293,7 +293,7 @@ def test_answers_are_kept_until_the_run_has_new_data(tmp_path):
 
     write(range(1, 4))
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
-        tensor_size_guidance={metadata.PLUGIN_NAME: 0})
+        tensor_size_guidance={dashboard_schema.PLUGIN_NAME: 0})
     multiplexer.AddRunsFromDirectory(str(tmp_path))
     multiplexer.Reload()
     counting = CountingProvider(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)))

@@ -19,12 +19,12 @@ from test_plugin import PREFIX
 from test_plugin import client_for
 from test_plugin_hostile import GARBAGE_META
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 
-TAGS = ([metadata.TAG_PREFIX + name for name, _ in metadata.UPDATE_SERIES]
-        + [metadata.TAG_PREFIX + name for name, _ in metadata.LEFTOVER_SERIES]
-        + [metadata.ACCUMULATOR_PREFIX + "dense/kernel"])
-KINDS = dict(metadata.UPDATE_SERIES + metadata.LEFTOVER_SERIES)
+TAGS = ([dashboard_schema.TAG_PREFIX + name for name, _ in dashboard_schema.UPDATE_SERIES]
+        + [dashboard_schema.TAG_PREFIX + name for name, _ in dashboard_schema.LEFTOVER_SERIES]
+        + [dashboard_schema.ACCUMULATOR_PREFIX + "dense/kernel"])
+KINDS = dict(dashboard_schema.UPDATE_SERIES + dashboard_schema.LEFTOVER_SERIES)
 
 values = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=32).map(lambda v: tf.constant(v, tf.float32)),
@@ -40,14 +40,14 @@ values = st.one_of(
 def meta_for(tag, choice):
     if choice == "garbage":
         return GARBAGE_META
-    if tag.startswith(metadata.ACCUMULATOR_PREFIX):
-        kind = metadata.Kind.ACCUMULATOR_NORM
-        extra = {"variable": tag[len(metadata.ACCUMULATOR_PREFIX):]}
+    if tag.startswith(dashboard_schema.ACCUMULATOR_PREFIX):
+        kind = dashboard_schema.Kind.ACCUMULATOR_NORM
+        extra = {"variable": tag[len(dashboard_schema.ACCUMULATOR_PREFIX):]}
     else:
-        kind, extra = KINDS[tag[len(metadata.TAG_PREFIX):]], {}
+        kind, extra = KINDS[tag[len(dashboard_schema.TAG_PREFIX):]], {}
     if choice == "other kind":
-        kind, extra = metadata.Kind.LEFTOVER_POLICY, {}
-    return metadata.create_summary_metadata(kind, **extra).SerializeToString()
+        kind, extra = dashboard_schema.Kind.LEFTOVER_POLICY, {}
+    return dashboard_schema.create_summary_metadata(kind, **extra).SerializeToString()
 
 
 series = st.tuples(

@@ -24,7 +24,7 @@ from test_plugin import PREFIX
 from test_plugin import client_for
 from test_plugin import get_json
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 
 # Its module-scoped fixtures are built once: its tests share a worker.
@@ -39,12 +39,12 @@ def write(log_dir, tag, values, meta):
 
 
 def accumulation_meta(kind):
-    return metadata.create_summary_metadata(kind).SerializeToString()
+    return dashboard_schema.create_summary_metadata(kind).SerializeToString()
 
 
 GARBAGE_META = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(
-        plugin_name=metadata.PLUGIN_NAME, content=b"\xff\xfe not a proto \x00\x01"),
+        plugin_name=dashboard_schema.PLUGIN_NAME, content=b"\xff\xfe not a proto \x00\x01"),
     data_class=summary_pb2.DATA_CLASS_SCALAR,
 ).SerializeToString()
 
@@ -56,30 +56,30 @@ def hostile(tmp_path_factory):
     x, y = make_data()
     make_model().fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
         GradientAccumulationCallback(accumulation_steps=4, log_dir=str(root / "good"))])
-    applied = metadata.TAG_PREFIX + "applied_gradient_norm"
+    applied = dashboard_schema.TAG_PREFIX + "applied_gradient_norm"
     one = [tf.constant(1.0)] * 3
     # Undecodable plugin metadata, beside a readable series of the same run.
-    write(root / "garbage", applied, one, accumulation_meta(metadata.Kind.APPLIED_GRADIENT_NORM))
-    write(root / "garbage", metadata.TAG_PREFIX + "micro_norm_max", one, GARBAGE_META)
+    write(root / "garbage", applied, one, accumulation_meta(dashboard_schema.Kind.APPLIED_GRADIENT_NORM))
+    write(root / "garbage", dashboard_schema.TAG_PREFIX + "micro_norm_max", one, GARBAGE_META)
     # Leftover policies out of range, and a non-finite counter.
     policies = [7.0, 1e30, float("nan"), float("inf"), -1.0, 0.0]
     write(root / "policies", applied, [tf.constant(1.0)] * 6,
-          accumulation_meta(metadata.Kind.APPLIED_GRADIENT_NORM))
-    write(root / "policies", metadata.TAG_PREFIX + "leftover/policy",
-          [tf.constant(p, tf.float32) for p in policies], accumulation_meta(metadata.Kind.LEFTOVER_POLICY))
-    write(root / "policies", metadata.TAG_PREFIX + "micro_steps",
+          accumulation_meta(dashboard_schema.Kind.APPLIED_GRADIENT_NORM))
+    write(root / "policies", dashboard_schema.TAG_PREFIX + "leftover/policy",
+          [tf.constant(p, tf.float32) for p in policies], accumulation_meta(dashboard_schema.Kind.LEFTOVER_POLICY))
+    write(root / "policies", dashboard_schema.TAG_PREFIX + "micro_steps",
           [tf.constant(v, tf.float32) for v in (4.0, 8.0, float("nan"), 12.0, 16.0, float("nan"))],
-          accumulation_meta(metadata.Kind.MICRO_STEPS))
+          accumulation_meta(dashboard_schema.Kind.MICRO_STEPS))
     # Tensors that are no float scalars, under accumulation tags.
-    write(root / "shapes", applied, one, accumulation_meta(metadata.Kind.APPLIED_GRADIENT_NORM))
+    write(root / "shapes", applied, one, accumulation_meta(dashboard_schema.Kind.APPLIED_GRADIENT_NORM))
     for name, value in (("micro_norm_mean", tf.constant([1.0, 2.0, 3.0])),
                         ("micro_norm_max", tf.zeros((0,))),
                         ("window_samples", tf.ones((2, 2))),
                         ("micro_steps", tf.constant("text")),
                         ("skipped_updates", tf.constant(3, tf.int64)),
                         ("nonfinite_skips", tf.constant(1 + 2j, tf.complex64))):
-        write(root / "shapes", metadata.TAG_PREFIX + name, [value] * 3, accumulation_meta(
-            dict(metadata.UPDATE_SERIES)[name]))
+        write(root / "shapes", dashboard_schema.TAG_PREFIX + name, [value] * 3, accumulation_meta(
+            dict(dashboard_schema.UPDATE_SERIES)[name]))
     return root
 
 
@@ -93,7 +93,7 @@ def test_runs_list_every_readable_run_and_report_the_rest(hostile):
     assert runs["good"]["updates"] == 8 and runs["good"]["problems"] == []
     assert runs["garbage"]["updates"] == 3
     (problem,) = runs["garbage"]["problems"]
-    assert problem["tag"] == metadata.TAG_PREFIX + "micro_norm_max"
+    assert problem["tag"] == dashboard_schema.TAG_PREFIX + "micro_norm_max"
     assert "cannot be decoded" in problem["reason"]
 
 

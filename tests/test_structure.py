@@ -91,3 +91,38 @@ def test_importing_tfaccum_on_jax_loads_no_tensorflow():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def module_name(path):
+    parts = ["tfaccum", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circle():
+    """Module-level imports between tfaccum's modules form no cycle (an import
+    inside a function, made when first used, is how a backend is reached)."""
+    names = {module_name(p): p for p in modules()}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(names)
+                # `from package import submodule` needs the submodule, not the package's body.
+                found |= submodules if len(submodules) == len(node.names) else {node.module}
+        graph[name] = found & set(names) - {name}
+    done, path = set(), []
+
+    def visit(name):
+        assert name not in path, "import circle: " + " -> ".join(path[path.index(name):] + [name])
+        if name not in done:
+            path.append(name)
+            for dependency in sorted(graph[name]):
+                visit(dependency)
+            path.pop()
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

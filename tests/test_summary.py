@@ -8,7 +8,7 @@ from reference import make_data
 from reference import read_run
 from reference import make_model
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 
 # Its module-scoped fixtures are built once: its tests share a worker.
@@ -16,11 +16,11 @@ pytestmark = pytest.mark.xdist_group("test_summary")
 
 
 def values(series, name):
-    return [float(v) for _, v in series[metadata.TAG_PREFIX + name]]
+    return [float(v) for _, v in series[dashboard_schema.TAG_PREFIX + name]]
 
 
 def steps(series, name):
-    return [s for s, _ in series[metadata.TAG_PREFIX + name]]
+    return [s for s, _ in series[dashboard_schema.TAG_PREFIX + name]]
 
 
 def global_norm(grads):
@@ -51,7 +51,7 @@ def last_per_step(series, name):
 
 
 def test_one_point_per_update_on_the_update_axis(run):
-    for name, _ in metadata.UPDATE_SERIES:
+    for name, _ in dashboard_schema.UPDATE_SERIES:
         assert sorted(set(steps(run["series"], name))) == list(range(1, 13)), name
     assert values(run["series"], "window_micro_batches") == [4, 4, 4, 1] * 3
     assert values(run["series"], "window_samples") == [32, 32, 32, 4] * 3
@@ -73,7 +73,7 @@ def test_first_update_norms_match_the_large_batch_gradient(run):
     assert values(run["series"], "micro_norm_max")[0] == pytest.approx(max(micro), rel=1e-5)
     # Per-variable norms: one series per trainable variable, adding up.
     per_variable = {tag: s for tag, s in run["series"].items()
-                    if tag.startswith(metadata.ACCUMULATOR_PREFIX)}
+                    if tag.startswith(dashboard_schema.ACCUMULATOR_PREFIX)}
     assert len(per_variable) == len(model.trainable_variables) == 4
     first = [float(s[0][1]) for s in per_variable.values()]
     expected = [float(tf.norm(grad)) for grad in large]
@@ -95,21 +95,21 @@ def test_leftover_events(run):
 
 def test_metadata_marks_every_series(run):
     for tag, meta in run["metas"].items():
-        assert meta.plugin_data.plugin_name == metadata.PLUGIN_NAME
-        assert meta.data_class == metadata.summary_pb2.DATA_CLASS_SCALAR
-        content = metadata.parse_plugin_metadata(meta.plugin_data.content)
-        assert content.version == metadata.PROTO_VERSION
-        assert content.kind != metadata.Kind.KIND_UNSPECIFIED
-        if tag.startswith(metadata.ACCUMULATOR_PREFIX):
-            assert content.kind == metadata.Kind.ACCUMULATOR_NORM
-            assert tag == metadata.ACCUMULATOR_PREFIX + content.variable
-    for _, value in run["series"][metadata.TAG_PREFIX + "applied_gradient_norm"]:
+        assert meta.plugin_data.plugin_name == dashboard_schema.PLUGIN_NAME
+        assert meta.data_class == dashboard_schema.summary_pb2.DATA_CLASS_SCALAR
+        content = dashboard_schema.parse_plugin_metadata(meta.plugin_data.content)
+        assert content.version == dashboard_schema.PROTO_VERSION
+        assert content.kind != dashboard_schema.Kind.KIND_UNSPECIFIED
+        if tag.startswith(dashboard_schema.ACCUMULATOR_PREFIX):
+            assert content.kind == dashboard_schema.Kind.ACCUMULATOR_NORM
+            assert tag == dashboard_schema.ACCUMULATOR_PREFIX + content.variable
+    for _, value in run["series"][dashboard_schema.TAG_PREFIX + "applied_gradient_norm"]:
         assert value.dtype == np.float32 and value.shape == ()
 
 
 def test_newer_content_version_is_skipped():
-    newer = metadata.PluginData(version=metadata.PROTO_VERSION + 1, kind=1)
-    assert metadata.parse_plugin_metadata(newer.SerializeToString()) is None
+    newer = dashboard_schema.PluginData(version=dashboard_schema.PROTO_VERSION + 1, kind=1)
+    assert dashboard_schema.parse_plugin_metadata(newer.SerializeToString()) is None
 
 
 def test_carry_and_drop_events(tmp_path):

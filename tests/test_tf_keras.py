@@ -18,7 +18,7 @@ import tf_keras
 
 from reference import read_run
 
-from tb_plugin.metadata import TAG_PREFIX
+from tfaccum.dashboard_schema import TAG_PREFIX
 from tfaccum import GradientAccumulationCallback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,18 +2,18 @@
 
 import importlib
 
-from tfaccum.callback import GradientAccumulationCallback  # noqa: F401
-from tfaccum.counts import Window  # noqa: F401
-from tfaccum.install import install_accumulation_hook  # noqa: F401
-from tfaccum.install import remove_accumulation_hook  # noqa: F401
-from tfaccum.items import count_items  # noqa: F401
-from tfaccum.reduction import Reduction  # noqa: F401
-
 __version__ = "0.1.0"
 
-# Names a backend provides, imported when first used, so that `import
-# tfaccum` loads no framework the model does not run on.
-_FROM_BACKEND = {
+# Every public name is imported when first used: `import tfaccum` loads no
+# framework (the dashboard plugin reads `tfaccum.dashboard_schema` inside
+# TensorBoard without Keras), and a backend's names load only that backend.
+_PUBLIC = {
+    "GradientAccumulationCallback": "tfaccum.callback",
+    "Window": "tfaccum.counts",
+    "install_accumulation_hook": "tfaccum.install",
+    "remove_accumulation_hook": "tfaccum.install",
+    "count_items": "tfaccum.items",
+    "Reduction": "tfaccum.reduction",
     "AccumBatchNormalization": "tfaccum.backend.tensorflow.layers",
     "InBatchSoftmax": "tfaccum.backend.tensorflow.window_loss",
     "NTXent": "tfaccum.backend.tensorflow.window_loss",
@@ -23,9 +23,7 @@ _FROM_BACKEND = {
     "enable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
 }
 
-__all__ = sorted([
-    "AccumulationHook", "GradientAccumulationCallback", "Reduction", "Window",
-    "count_items", "install_accumulation_hook", "remove_accumulation_hook", *_FROM_BACKEND])
+__all__ = sorted(["AccumulationHook", *_PUBLIC])
 
 
 def __getattr__(name):
@@ -33,8 +31,8 @@ def __getattr__(name):
         import keras
 
         module = f"tfaccum.backend.{keras.backend.backend()}.hook"
-    elif name in _FROM_BACKEND:
-        module = _FROM_BACKEND[name]
+    elif name in _PUBLIC:
+        module = _PUBLIC[name]
     else:
         raise AttributeError(f"module 'tfaccum' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

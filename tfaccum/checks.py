@@ -8,7 +8,7 @@ import difflib
 import numbers
 import os
 
-from tb_plugin.metadata import LEFTOVER_POLICIES as LEFTOVERS
+from tfaccum.dashboard_schema import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
 from tfaccum.reduction import Reduction
 

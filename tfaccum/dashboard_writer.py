@@ -6,7 +6,7 @@ state on JAX) and hands the waiting rows over as host arrays
 (`_take_rows`). `DashboardWriter` decides when to write (epoch ends, before
 the rows could overflow, every `write_interval` seconds) and writes them as
 event files with TensorBoard's own writer, which needs no TensorFlow. The
-tags, kinds and metadata are `tb_plugin.metadata`'s, so the plugin reads
+tags, kinds and metadata are `tfaccum.dashboard_schema`'s, so the plugin reads
 every backend's alike.
 """
 
@@ -24,10 +24,10 @@ from tensorboard.compat.proto import types_pb2
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import interrupts
 
-SERIES = tuple(name for name, _ in metadata.UPDATE_SERIES)
+SERIES = tuple(name for name, _ in dashboard_schema.UPDATE_SERIES)
 PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
 # NaN where not defined at an update: not written.
 _OPTIONAL = ("noise_scale", "window_loss")
@@ -120,16 +120,16 @@ class DashboardWriter(abc.ABC):
 
     def _write_rows(self, rows):
         writer = self._get_writer()
-        metas = [metadata.create_summary_metadata(kind) for _, kind in metadata.UPDATE_SERIES]
-        per_variable = [(metadata.ACCUMULATOR_PREFIX + name, metadata.create_summary_metadata(
-            metadata.Kind.ACCUMULATOR_NORM, variable=name)) for name in rows.variable_names]
+        metas = [dashboard_schema.create_summary_metadata(kind) for _, kind in dashboard_schema.UPDATE_SERIES]
+        per_variable = [(dashboard_schema.ACCUMULATOR_PREFIX + name, dashboard_schema.create_summary_metadata(
+            dashboard_schema.Kind.ACCUMULATOR_NORM, variable=name)) for name in rows.variable_names]
         plain = scalar_metadata.create_summary_metadata(
             display_name="", description="Applied gradient norm (tfaccum).")
         for step, values, norms in zip(rows.steps, rows.series, rows.per_variable):
             for name, value, meta in zip(SERIES, values, metas):
                 if name in _OPTIONAL and not np.isfinite(value):
                     continue
-                writer.add_event(_event(metadata.TAG_PREFIX + name, value, step, meta))
+                writer.add_event(_event(dashboard_schema.TAG_PREFIX + name, value, step, meta))
             for (tag, meta), norm in zip(per_variable, norms):
                 writer.add_event(_event(tag, norm, step, meta))
             if self.scalars:
@@ -140,7 +140,7 @@ class DashboardWriter(abc.ABC):
 
         Args:
             step: `optimizer.iterations` now.
-            policy: One of `metadata.LEFTOVER_POLICIES`.
+            policy: One of `dashboard_schema.LEFTOVER_POLICIES`.
             window: The `Window` flushed, carried or dropped.
             micro_steps: Micro-steps so far in this fit.
             updates: Optimizer updates so far in this fit.
@@ -149,10 +149,10 @@ class DashboardWriter(abc.ABC):
         self.write()  # earlier steps first: each series' steps must not go back
         writer = self._get_writer()
         with interrupts.deferred():  # all of the event's points, or none
-            for name, kind, value in metadata.leftover_points(policy, window, micro_steps,
+            for name, kind, value in dashboard_schema.leftover_points(policy, window, micro_steps,
                                                              updates, nonfinite):
-                writer.add_event(_event(metadata.TAG_PREFIX + name, value, step,
-                                        metadata.create_summary_metadata(kind)))
+                writer.add_event(_event(dashboard_schema.TAG_PREFIX + name, value, step,
+                                        dashboard_schema.create_summary_metadata(kind)))
 
     def flush(self):
         """Writes recorded rows and flushes the event file to disk."""

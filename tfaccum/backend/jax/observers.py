@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum import noise_scale
 
 
@@ -140,4 +140,4 @@ class NoiseScaleEstimator(WindowObserver):
 
     def suggested_accumulation_steps(self):
         """`accumulation_steps` whose effective batch is closest to B_simple (the dashboard's rule)."""
-        return metadata.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)
+        return dashboard_schema.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)

@@ -5,7 +5,7 @@ The estimates themselves are `tfaccum.noise_scale`'s (McCandlish et al. 2018).
 
 import tensorflow as tf
 
-from tb_plugin import metadata
+from tfaccum import dashboard_schema
 from tfaccum.backend.tensorflow import _keras
 from tfaccum.backend.tensorflow.observers import WindowObserver
 from tfaccum import noise_scale as estimates
@@ -123,6 +123,6 @@ class NoiseScaleEstimator(WindowObserver):
     def suggested_accumulation_steps(self):
         """`accumulation_steps` whose effective batch is closest to B_simple.
 
-        The dashboard's rule (`tb_plugin.metadata`), so both say the same.
+        The dashboard's rule (`tfaccum.dashboard_schema`), so both say the same.
         """
-        return metadata.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)
+        return dashboard_schema.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)

@@ -1,4 +1,4 @@
-"""What the writer (`tfaccum.backend.tensorflow.summary`) and the reader (the plugin) agree on.
+"""The dashboard's schema: what the writer (`tfaccum.dashboard_writer`) and the reader (the plugin) agree on.
 
 One place for the plugin name, the content proto's version, the tags, the
 `SummaryMetadata` that marks each series, and the vocabulary the callback,
@@ -12,7 +12,7 @@ import math
 from google.protobuf import message
 from tensorboard.compat.proto import summary_pb2
 
-from tb_plugin import accumulation_pb2
+from tfaccum import accumulation_pb2
 
 PLUGIN_NAME = "accumulation"
 PROTO_VERSION = 1
