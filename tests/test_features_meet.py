@@ -18,7 +18,7 @@ import tfaccum
 from tfaccum import AccumulationHook
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
-from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator
+from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
 
 
 def test_noise_scale_does_not_depend_on_the_reduction():

@@ -603,10 +603,10 @@ def test_data_parallel_reduces_gradients_once_per_update():
                                      optimizer_variables=True, metrics_variables=True)
         data = jax.device_put((x[:8], y[:8]), hook.devices.batch_sharding())
         micro = compiled_text(steps.accumulate, state, hook._accumulators, hook._observed,
-                              hook.counts.items, data, hook.counts.window_vector(),
+                              hook.counts.items, data, hook._window_vector(),
                               np.int32(8))
         end = compiled_text(steps.normalize, hook._accumulators, hook._observed,
-                            hook.counts.items, hook.counts.window_vector())
+                            hook.counts.items, hook._window_vector())
         keras_step = compiled_text(jax.jit(model.train_step), state, data)
         tfaccum.remove_accumulation_hook(model)
     assert all_reduced_elements(micro) <= 8

@@ -11,7 +11,7 @@ from reference import make_data
 from reference import make_model
 
 from tfaccum import GradientAccumulationCallback
-from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator
+from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
 from tfaccum.noise_scale import SMOOTHING
 
 

@@ -54,7 +54,10 @@ def test_outside_the_backends_no_framework_is_imported(path):
 
 @pytest.mark.parametrize("path", modules(), ids=relative)
 def test_private_names_are_read_only_in_a_keras_package(path):
-    if "_keras" in [part.removesuffix(".py") for part in path.relative_to(PACKAGE).parts]:
+    # The core's `_keras` (what every backend reads of Keras), a backend's
+    # `_keras_on_tf` / `_keras_on_jax` (what that framework's Keras is read for).
+    if any(part.removesuffix(".py") == "_keras" or part.startswith("_keras_on_")
+           for part in path.relative_to(PACKAGE).parts):
         return
     source = path.read_text()
     for name in PRIVATE:
@@ -126,3 +129,14 @@ def test_no_import_circle():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_no_module_name_stands_in_the_core_and_in_a_backend():
+    """Each concept once: a backend's module is named for what only it does."""
+    core = {p.relative_to(PACKAGE).parts[0].removesuffix(".py")
+            for p in modules() if not relative(p).startswith("backend/")}
+    for backend in (PACKAGE / "backend").iterdir():
+        if backend.is_dir() and not backend.name.startswith("__"):
+            names = {p.relative_to(backend).parts[0].removesuffix(".py")
+                     for p in backend.rglob("*.py")} - {"__init__"}
+            assert not names & core, f"backend/{backend.name} repeats core names {sorted(names & core)}"

@@ -12,11 +12,11 @@ from tfaccum.backend.tensorflow.observers import WindowObserver
 from tfaccum.backend.tensorflow.accumulators import Accumulators
 from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
-from tfaccum.backend.tensorflow.counts import Counts
+from tfaccum.backend.tensorflow.counter_variable import CounterVariable
 
 
 def test_counts_are_read_and_written_by_name():
-    counts = Counts(tf.distribute.get_strategy())
+    counts = CounterVariable(tf.distribute.get_strategy())
     assert counts.names == WINDOW_COUNTS + TOTAL_COUNTS
     counts.add(counts.delta(micro_steps=3, window_samples=8))
     counts.add(counts.delta(micro_steps=1, optimizer_steps=1))

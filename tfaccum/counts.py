@@ -2,8 +2,9 @@
 
 The `window_*` counts describe the open window and go back to zero when it
 ends; the others count since the hook was installed. A backend stores them
-(TensorFlow's: `tfaccum.backend.tensorflow.counts.Counts`, one variable);
-`Counters` is one read of them on the host.
+(TensorFlow's: a variable, `tfaccum.backend.tensorflow.counter_variable`;
+where the host decides where windows end: `HostCounts`); `Counters` is one
+read of them on the host.
 """
 
 import collections
@@ -72,6 +73,47 @@ class Counters:
         """The counters of `counts` (a backend's store of them), read once."""
         values = counts.numpy()
         return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
+
+
+class HostCounts:
+    """The counts of a backend whose host decides where windows end: host
+    integers, but for what the losses averaged over (`window_items`, `items`),
+    which the compiled step counts on the device (`items`: a vector of the
+    two) and a read fetches, so that no micro-step waits for the device.
+
+    Args:
+        devices: The backend's devices: `zeros(shape, dtype)` makes the
+            device-side vector (one per device under data parallelism) and
+            `read(array)` sums it on the host.
+    """
+
+    def __init__(self, devices):
+        self.devices = devices
+        self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
+        self.zero()
+
+    def numpy(self):
+        """The counts now, as `{name: int}` (one device read)."""
+        window_items, items = (int(value) for value in self.devices.read(self.items))
+        return dict(self.values, window_items=window_items, items=items)
+
+    def window_values(self):
+        """The open window's host counts, in `WINDOW_COUNTS`' order (its
+        `window_items` is the device's)."""
+        return [self.values[name] for name in WINDOW_COUNTS]
+
+    def add(self, **counts):
+        for name, value in counts.items():
+            self.values[name] += value
+
+    def end_window(self):
+        for name in WINDOW_COUNTS:
+            self.values[name] = 0
+
+    def zero(self):
+        for name in self.values:
+            self.values[name] = 0
+        self.items = self.devices.zeros((2,), "int32")
 
 
 def with_counter_properties(cls):

@@ -7,7 +7,7 @@ The package re-exports, for `_keras.name`, what its modules hold: `api`
 `window_loss` (gradient caching's view of a model). None of them imports
 TensorFlow: what only TensorFlow's side needs (tf_keras' `TfKeras`, losses,
 distribution, batch normalization, multi-worker) is in
-`tfaccum.backend.tensorflow._keras`, which re-exports this package too.
+`tfaccum.backend.tensorflow._keras_on_tf`, which re-exports this package too.
 
 tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
 (`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one

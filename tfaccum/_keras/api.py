@@ -51,7 +51,7 @@ def api_for(model):
     """`Keras3` or `TfKeras`: what `model` was built with."""
     if is_tf_keras_model(model):
         # tf_keras runs on TensorFlow only: its side lives with that backend.
-        from tfaccum.backend.tensorflow._keras.tf_keras import TfKeras
+        from tfaccum.backend.tensorflow._keras_on_tf.tf_keras import TfKeras
 
         return TfKeras
     return Keras3

@@ -5,7 +5,7 @@
 device, or `keras.distribution.DataParallel`'s devices, each with its own
 partial sums), `installation.py` (the train function swapped in),
 `observers.py` (the noise scale's estimator), `summary.py` (the dashboard's
-series) and `_keras.py` (what the JAX trainer is read for). `BACKEND` is
+series) and `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is
 what the callback asks.
 """
 

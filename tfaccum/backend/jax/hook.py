@@ -14,53 +14,15 @@ import numpy as np
 from tfaccum import _keras as keras_models
 from tfaccum import checks
 from tfaccum import interrupts
-from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.backend.jax.observers import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.hook_front import HookFront
-from tfaccum.counts import TOTAL_COUNTS
+from tfaccum.counts import HostCounts
 from tfaccum.counts import Window
 from tfaccum.counts import WINDOW_COUNTS
-
-
-class HostCounts:
-    """The hook's counts: host integers (the host decides where windows end), but
-    for what the losses averaged over (`window_items`, `items`), which the
-    compiled step counts on the device (`items`: a vector of the two) and a
-    read fetches, so that no micro-step waits for the device. Under
-    `DataParallel` each device counts its own share's (`parallel.py`)."""
-
-    def __init__(self, devices):
-        self.devices = devices
-        self.values = dict.fromkeys(WINDOW_COUNTS + TOTAL_COUNTS, 0)
-        self.zero()
-
-    def numpy(self):
-        """The counts now, as `{name: int}` (one device read)."""
-        window_items, items = (int(value) for value in self.devices.read(self.items))
-        return dict(self.values, window_items=window_items, items=items)
-
-    def window_vector(self):
-        """The open window's host counts (`window_items` is the device's)."""
-        return jnp.asarray([self.values[name] for name in WINDOW_COUNTS], jnp.int32)
-
-    def add(self, **counts):
-        for name, value in counts.items():
-            self.values[name] += value
-
-    def end_window(self):
-        for name in WINDOW_COUNTS:
-            self.values[name] = 0
-
-    def zero(self):
-        for name in self.values:
-            self.values[name] = 0
-        self.items = self.devices.zeros((2,), jnp.int32)
-
-    def forget_window_items(self):
-        self.items = self.items.at[..., 0].set(0)
 
 
 class AccumulationHook(HookFront):
@@ -82,7 +44,7 @@ class AccumulationHook(HookFront):
         self.configuration = configuration
         self.reduction = configuration.reduction
         self.observers = list(observers)
-        self.devices = parallel.for_distribution(_keras.distribution())
+        self.devices = parallel.for_distribution(_keras_on_jax.distribution())
         self.counts = HostCounts(self.devices)
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch
@@ -148,10 +110,10 @@ class AccumulationHook(HookFront):
         """Keras' `train_function(state, iterator)`: `steps_per_execution` micro-batches.
 
         Each micro-step donates the state it is given: an interrupt waits
-        until its outputs are the state Keras writes back (`_keras.publish`),
+        until its outputs are the state Keras writes back (`_keras_on_jax.publish`),
         so that it never leaves the variables with deleted arrays.
         """
-        _keras.publish(self.model, state)  # before anything is donated
+        _keras_on_jax.publish(self.model, state)  # before anything is donated
         logs, state = self._interruptible_step(state, next(iterator))
         for _ in range(self.model.steps_per_execution - 1):
             try:
@@ -162,13 +124,13 @@ class AccumulationHook(HookFront):
         return logs, state
 
     def _interruptible_step(self, state, data):
-        with interrupts.deferred(lambda: _keras.write_published(self.model)):
+        with interrupts.deferred(lambda: _keras_on_jax.write_published(self.model)):
             logs, state = self._micro_step(state, data)
-            _keras.publish(self.model, state)
+            _keras_on_jax.publish(self.model, state)
         return logs, state
 
     def _micro_step(self, state, data):
-        samples = _keras.batch_size(data)
+        samples = _keras_on_jax.batch_size(data)
         if self._accumulators is None:
             self._accumulators = [self.devices.zeros(v.shape, "float32") for v in state[0]]
         if self._observed is None:
@@ -184,7 +146,7 @@ class AccumulationHook(HookFront):
         try:
             logs, state, self._accumulators, self._observed, counts.items = (
                 self._compiled.accumulate(state, self._accumulators, self._observed,
-                                          counts.items, data, counts.window_vector(),
+                                          counts.items, data, self._window_vector(),
                                           jnp.asarray(samples, jnp.int32)))
             counts.add(micro_steps=1, samples=samples, window_micro_batches=1,
                        window_samples=samples)
@@ -194,18 +156,21 @@ class AccumulationHook(HookFront):
                 state = (trainable, non_trainable, optimizer_variables, metrics)
         except Exception:
             if first:
-                _keras.restore(self.model, given if state is given else state)
+                _keras_on_jax.restore(self.model, given if state is given else state)
                 self._accumulators = self._observed = None
                 self.uninstall()  # `fit` stops here
             raise
         return logs, state
+
+    def _window_vector(self):
+        return jnp.asarray(self.counts.window_values(), jnp.int32)
 
     def _apply(self, trainable, optimizer_variables):
         """Applies the open window: normalised in place, then the optimizer's update
         (two compiled functions, so that no step holds a second copy of the window)."""
         self._accumulators, self._observed, self.counts.items, self._window_items = (
             self._compiled.normalize(self._accumulators, self._observed, self.counts.items,
-                                     self.counts.window_vector()))
+                                     self._window_vector()))
         trainable, optimizer_variables = self._compiled.apply(
             trainable, optimizer_variables, self._accumulators)
         self._applied()
@@ -238,12 +203,12 @@ class AccumulationHook(HookFront):
         # the new ones to be assigned.
         with interrupts.deferred():
             self.counts.add(flushes=1)
-            trainable, optimizer_variables = self._apply(*_keras.state_of(model))
+            trainable, optimizer_variables = self._apply(*_keras_on_jax.state_of(model))
             for variable, value in zip(model.trainable_variables, trainable):
                 variable.assign(value)
             for variable, value in zip(model.optimizer.variables, optimizer_variables):
                 variable.assign(value)
-            _keras.republish(model)
+            _keras_on_jax.republish(model)
         return window
 
     def drop(self):
@@ -256,7 +221,7 @@ class AccumulationHook(HookFront):
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.end_window()
-            self.counts.forget_window_items()
+            self.counts.items = self.counts.items.at[..., 0].set(0)  # the window's items
             for observer in self.observers:
                 observer.on_reset()
         return window
@@ -277,16 +242,16 @@ def check_served(model, configuration, observers):
     if configuration.accumulator_dtype != "float32":
         refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}",
                "Use accumulator_dtype=\"float32\".")
-    distribution = _keras.distribution()
+    distribution = _keras_on_jax.distribution()
     if distribution is not None:
-        if not _keras.data_parallel(distribution):
+        if not _keras_on_jax.data_parallel(distribution):
             refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
                    "devices)", "Use keras.distribution.DataParallel, or one device.",
                    on_tensorflow=False)
         if jax.process_count() > 1:
             refuse(f"several processes ({jax.process_count()}) under DataParallel",
                    "Train on the devices of one process.", on_tensorflow=False)
-        batch_norm = _keras.batch_norm_layers(model)
+        batch_norm = _keras_on_jax.batch_norm_layers(model)
         if batch_norm:
             refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "
                    "would normalise by its own share's statistics, not the micro-batch's as "
@@ -295,12 +260,12 @@ def check_served(model, configuration, observers):
     if others:
         refuse(f"observers made for TensorFlow ({others})",
                "Pass the JAX backend's (tfaccum.backend.jax.observers).")
-    own = _keras.own_train_step(model)
+    own = _keras_on_jax.own_train_step(model)
     if own is not None:
         refuse(f"a `train_step` of its own ({own}.train_step: the JAX step computes the "
                "gradients itself, so yours would not run)",
                "Leave Keras' train_step (override compute_loss instead).")
-    toolkit = _keras.toolkit_parts(model)
+    toolkit = _keras_on_jax.toolkit_parts(model)
     if toolkit:
         refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses)",
                "Use BatchNormalization and a loss of each micro-batch.")

@@ -1,6 +1,6 @@
 """What a hook sets on a model on JAX: its train function, put back when removed."""
 
-from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.patching import Installation
 from tfaccum.patching import InstancePatch
 
@@ -26,4 +26,4 @@ class ModelInstallation(Installation):
         """What the compiled functions depend on, besides the hook (the devices too)."""
         model = self.model
         return (model.optimizer, model.jit_compile, model.run_eagerly,
-                tuple(id(v) for v in model.trainable_variables), _keras.distribution())
+                tuple(id(v) for v in model.trainable_variables), _keras_on_jax.distribution())

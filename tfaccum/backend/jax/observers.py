@@ -83,7 +83,7 @@ class WindowObserver:
 class NoiseScaleEstimator(WindowObserver):
     """The gradient noise scale B_simple from each window's micro-batch and window gradients.
 
-    As TensorFlow's (`tfaccum.backend.tensorflow.noise_scale`): within a
+    As TensorFlow's (`tfaccum.backend.tensorflow.observers`): within a
     window its micro-batches are the small batches (their sample-weighted
     squared norms), the window the big one; the two estimates are smoothed
     apart before dividing; a window of one micro-batch gives none.

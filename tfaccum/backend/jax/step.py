@@ -27,7 +27,7 @@ import keras
 
 from tfaccum import items as said_items
 from tfaccum import reduction as reductions
-from tfaccum.backend.jax import _keras
+from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.parallel import BATCH
 from tfaccum.backend.jax.parallel import SHARED
@@ -112,7 +112,7 @@ class CompiledSteps:
                                  for o, s in zip(self.observers, observed))
         loss = self._loss(share)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        logs, metrics = _keras.update_metrics(model, metrics, loss, (x, y, sample_weight), y_pred)
+        logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight), y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
         return logs, state, accumulators, observed, items
 
@@ -128,10 +128,10 @@ class CompiledSteps:
         model, devices = self.model, self.devices
         trainable, non_trainable, optimizer_variables, metrics = state
         if devices.shares > 1:
-            non_trainable = _keras.offset_seeds(model, non_trainable, devices.index())
+            non_trainable = _keras_on_jax.offset_seeds(model, non_trainable, devices.index())
         given = list(non_trainable)
-        with _keras.loss_inputs(model) as seen, said_items.collected() as said:
-            grads, loss, y_pred, non_trainable, new_metrics, _ = _keras.gradient_and_outputs(
+        with _keras_on_jax.loss_inputs(model) as seen, said_items.collected() as said:
+            grads, loss, y_pred, non_trainable, new_metrics, _ = _keras_on_jax.gradient_and_outputs(
                 model, (trainable, non_trainable, optimizer_variables, metrics), data)
         said_items.check_said_once(said)
         samples = samples // devices.shares

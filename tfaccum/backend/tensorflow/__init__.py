@@ -1,19 +1,19 @@
 """TensorFlow's side of tfaccum (Keras 3 on TensorFlow, and tf_keras).
 
 The step (`step`, `accumulating_step`, `gradient_cache`), its window
-(`window`, `accumulators`, `counts`, `gradients`, `precision`), its end
+(`window`, `accumulators`, `counter_variable`, `gradients`, `precision`), its end
 (`replication`, `sources`, `host_ends`), its installation and rollback
-(`installation`, `rollback`), the observers (`observers`, `noise_scale`,
+(`installation`, `rollback`), the observers (`observers`, with the noise scale's,
 `summary`, `moments`), the toolkit's layers and losses (`layers`, `convert`,
-`keras2`, `window_loss`, `items`, `multi_worker`), and the private Keras and
-TensorFlow names they read (`_keras`). `BACKEND` is what the callback asks.
+`keras2`, `window_loss`, `loss_counting`, `multi_worker`), and the private Keras and
+TensorFlow names they read (`_keras_on_tf`). `BACKEND` is what the callback asks.
 """
 
 from tfaccum.backend import Backend
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import moments
 from tfaccum.backend.tensorflow.hook import AccumulationHook
-from tfaccum.backend.tensorflow.noise_scale import NoiseScaleEstimator
+from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries
 from tfaccum.backend.tensorflow.window_loss import window_loss_of
 
@@ -28,7 +28,7 @@ class TensorFlowBackend(Backend):
 
     def writes_summaries(self, model):
         """The chief writes, or the only worker."""
-        return _keras.writes_summaries(model.distribute_strategy)
+        return _keras_on_tf.writes_summaries(model.distribute_strategy)
 
     def has_window_loss(self, model):
         return window_loss_of(model) is not None

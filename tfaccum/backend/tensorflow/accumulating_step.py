@@ -9,7 +9,7 @@ window, whose source is the accumulators (`sources.AccumulatedGradients`).
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow import replication
 from tfaccum.backend.tensorflow.sources import AccumulatedGradients
@@ -31,7 +31,7 @@ class AccumulatingStep:
 
     def __init__(self, model, state, observers, configuration, *, skip_nonfinite,
                  original_train_step):
-        api = _keras.api_for(model)
+        api = _keras_on_tf.api_for(model)
         self.model = model
         self.state = state
         self.configuration = configuration
@@ -43,7 +43,7 @@ class AccumulatingStep:
             # gradient at once (cheaper than scaling each accumulated one),
             # except under dynamic loss scaling, whose scale must stay a power of 2.
             weight_in_loss=api.scales_loss_in_step
-            and not _keras.scales_loss_dynamically(model.optimizer),
+            and not _keras_on_tf.scales_loss_dynamically(model.optimizer),
             loss_share=state.loss_share, on_micro_batch=self._micro_step)
         self.replication = replication.for_model(
             model, state, self.tracer.apply_gradients, observers,

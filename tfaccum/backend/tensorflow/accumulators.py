@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow import precision
-from tfaccum.backend.tensorflow.counts import Counts
+from tfaccum.backend.tensorflow.counter_variable import CounterVariable
 from tfaccum.backend.tensorflow.replication import variable_options
 
 
@@ -178,7 +178,7 @@ class Accumulators:
         self.strategy = strategy
         self.sparse_rows = sparse_rows
         self.dtype = None if dtype is None else tf.as_dtype(dtype)
-        self.counts = Counts(strategy)
+        self.counts = CounterVariable(strategy)
         self._accumulators = {}  # id(variable) -> accumulator
         # Made ahead of the first trace (`create_dense(provisional=True)`),
         # kept once a traced step shows each gets a dense gradient.

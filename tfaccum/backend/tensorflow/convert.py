@@ -12,7 +12,7 @@ import warnings
 
 import keras
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.layers import AccumBatchNormalization
 from tfaccum.backend.tensorflow.moments import accumulating_layers
 from tfaccum.backend.tensorflow.moments import saved_as
@@ -64,14 +64,14 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     _refuse_batch_norm_subclasses(model, kind.batch_norm)
     target = model if in_place else _copy(model, kind.load_model)
     converted = 0
-    for layer in _keras.flatten_layers(target):
+    for layer in _keras_on_tf.flatten_layers(target):
         if type(layer) is kind.batch_norm:
             layer.__class__ = kind.converted
             converted += 1
     if in_place and converted:
-        _keras.forget_traced_functions(target)
+        _keras_on_tf.forget_traced_functions(target)
     if verbose:
-        _keras.print_msg(f"Converted {converted} BatchNormalization layer"
+        _keras_on_tf.print_msg(f"Converted {converted} BatchNormalization layer"
                          f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
     if not converted and not accumulating_layers(target):
         warnings.warn(
@@ -90,7 +90,7 @@ def _kind_of(model):
     if isinstance(model, keras.Model):
         return _Kind(keras.layers.BatchNormalization, ConvertedBatchNormalization,
                      keras.models.load_model)
-    if _keras.is_tf_keras_model(model):
+    if _keras_on_tf.is_tf_keras_model(model):
         import tf_keras
 
         from tfaccum.backend.tensorflow import keras2
@@ -118,7 +118,7 @@ saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)
 def _refuse_batch_norm_subclasses(model, batch_norm):
     subclasses = [
         f"{layer.name!r} ({type(layer).__name__})"
-        for layer in _keras.flatten_layers(model)
+        for layer in _keras_on_tf.flatten_layers(model)
         if isinstance(layer, batch_norm)
         and not isinstance(layer, WindowedMoments)
         and type(layer) is not batch_norm

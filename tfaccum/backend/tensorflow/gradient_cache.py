@@ -25,7 +25,7 @@ import re
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import replication
 from tfaccum.backend.tensorflow.replication import variable_options
 from tfaccum.backend.tensorflow.step import count_samples
@@ -247,7 +247,7 @@ def unreplayable_random_ops(operations):
 
 def _layer_of(op_name, model):
     """The innermost of `model`'s layers named in `op_name`'s scopes (or the model)."""
-    names = {layer.name for layer in _keras.flatten_layers(model)}
+    names = {layer.name for layer in _keras_on_tf.flatten_layers(model)}
     # A scope entered again while tracing gets a suffix (`noise_1`).
     scopes = [scope if scope in names else re.sub(r"_\d+$", "", scope)
               for scope in op_name.split("/")]
@@ -273,7 +273,7 @@ class CachingStep:
         self.model = model
         self.state = state
         self.cache = CachedGradients(model, state)
-        api, optimizer = _keras.api_for(model), model.optimizer
+        api, optimizer = _keras_on_tf.api_for(model), model.optimizer
 
         def apply_gradients(grads, variables, reduced=False):  # no patch is active here
             api.apply(getattr(optimizer, api.apply_method), grads, variables, reduced)
@@ -287,7 +287,7 @@ class CachingStep:
     def train_step(self, data):
         """Runs the micro-batch's forward pass and keeps it; ends a full window."""
         model, cache = self.model, self.cache
-        x, y, sample_weight = _keras.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = _keras_on_tf.unpack_x_y_sample_weight(data)
         cache.find_seed_states()
         seeds = [tf.convert_to_tensor(state) for state in cache.seed_states]  # before it draws
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
@@ -307,7 +307,7 @@ class CachingStep:
         counts.add(counts.delta(micro_steps=1, window_micro_batches=1, window_samples=samples,
                                 window_items=samples, **totals))
         self.replication.after_micro_step()  # ends a full window
-        return _keras.metrics_result(model)
+        return _keras_on_tf.metrics_result(model)
 
     def _check_traced(self, x, y_pred, forward):
         """Raises `StepError` for what the step shows it cannot replay or keep.
@@ -322,7 +322,7 @@ class CachingStep:
                 "weight or activity regularizers, `add_loss`), which a window-wide "
                 "loss does not take yet: the window's loss would miss them. Remove "
                 "the regularizers, or compile with an ordinary loss.")
-        if len(_keras.api_for(model).seed_states(model)) != cache.layer_seeds:
+        if len(_keras_on_tf.api_for(model).seed_states(model)) != cache.layer_seeds:
             raise StepError(
                 f"Model {model.name!r} made seed generators in its first step (it was "
                 "built by it): their dropout masks could not be drawn again. Build the "
@@ -343,7 +343,7 @@ class CachingStep:
                 "(`keras.layers.GaussianNoise(stddev, seed=...)`, `Dropout(rate, "
                 "seed=...)`) or `keras.random.normal(shape, seed=self.seed_generator)` "
                 "with a `keras.random.SeedGenerator` made in the layer's `__init__`.")
-        masked = [_keras.keras_mask(output) is not None for output in tf.nest.flatten(y_pred)]
+        masked = [_keras_on_tf.keras_mask(output) is not None for output in tf.nest.flatten(y_pred)]
         if any(masked):
             raise StepError(
                 f"Model {model.name!r} has an output with a Keras mask, which a window-wide "
@@ -400,7 +400,7 @@ class CachedGradients:
         """The seed states the forward pass draws from (found at the first step)."""
         if self.seed_states is not None:
             return
-        model, api = self.model, _keras.api_for(self.model)
+        model, api = self.model, _keras_on_tf.api_for(self.model)
         self.seed_states = api.seed_states(model)
         self.layer_seeds = len(self.seed_states)
         with tf.init_scope():  # made eagerly, not by the step that traces
@@ -411,7 +411,7 @@ class CachedGradients:
             self.buffers = WindowBuffers(parts, self.strategy)
 
     def forward(self, x):
-        return _keras.training_forward(self.model, x)
+        return _keras_on_tf.training_forward(self.model, x)
 
     def prepare(self, window):
         """The window's loss, its gradient w.r.t. every replica's outputs, and where
@@ -434,7 +434,7 @@ class CachedGradients:
                                      output_grads)
         self._replay(mine, seeds, sizes, list(self.model.trainable_variables))
         samples = self.state.local()["window_samples"]
-        _keras.api_for(self.model).track_loss(self.model, loss, samples)
+        _keras_on_tf.api_for(self.model).track_loss(self.model, loss, samples)
         return self.state.accumulators.gradients()
 
     def loss(self, prepared, window):
@@ -453,10 +453,10 @@ class CachedGradients:
             tape.watch(tf.nest.flatten(outputs))
             # Keras divides a loss by the replicas (each replica's share of a
             # batch): this one is the whole window's.
-            loss = _keras.api_for(model).compiled_loss(model, parts["y"], outputs,
+            loss = _keras_on_tf.api_for(model).compiled_loss(model, parts["y"], outputs,
                                                        parts["sample_weight"])
             loss = loss / tf.cast(self.state.loss_share, loss.dtype)
-            scaled = _keras.scaled_loss(model.optimizer, loss)
+            scaled = _keras_on_tf.scaled_loss(model.optimizer, loss)
         return loss, tape.gradient(scaled, outputs)
 
     def _replay(self, output_grads, seeds, sizes, variables):

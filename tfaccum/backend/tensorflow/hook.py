@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfaccum import checks
 from tfaccum import interrupts
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
 from tfaccum.backend.tensorflow.gradient_cache import CachingStep
 from tfaccum.backend.tensorflow.host_ends import HostEnds
@@ -87,9 +87,9 @@ class AccumulationHook(HookFront):
         checks.check_accumulator_dtype_meets(configuration.accumulator_dtype, strategy)
         self.reduction = configuration.reduction
         self.skip_nonfinite = configuration.skips_nonfinite(
-            _keras.scales_loss_dynamically(optimizer))
+            _keras_on_tf.scales_loss_dynamically(optimizer))
         self.reduction.check(model)
-        loss_share = _keras.api_for(model).replica_loss_share(model)
+        loss_share = _keras_on_tf.api_for(model).replica_loss_share(model)
         # Rows cannot be kept under XLA (fixed shapes): dense, with a warning.
         sparse_rows = configuration.sparse_rows and not model.jit_compile
         self.state = WindowState(strategy, self.reduction, loss_share=loss_share,

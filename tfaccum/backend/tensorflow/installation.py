@@ -7,7 +7,7 @@ plain one it puts back.
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.patching import Installation
 from tfaccum.patching import InstancePatch
 
@@ -31,7 +31,7 @@ class ModelInstallation(Installation):
     def __init__(self, model, train_step, owner):
         self.train_step_patch = InstancePatch(model, "train_step", train_step)
         super().__init__(model, [self.train_step_patch], owner)
-        self._api = _keras.api_for(model)
+        self._api = _keras_on_tf.api_for(model)
         self._train_function = None  # the accumulating one, once traced
         self._plain_function = None
         self._plain_state = None
@@ -46,7 +46,7 @@ class ModelInstallation(Installation):
         with tf.init_scope():  # also while a step traces (a host read)
             return (
                 model.optimizer,
-                _keras.compile_config(model),
+                _keras_on_tf.compile_config(model),
                 self._api.steps_per_execution(model),
                 model.jit_compile,
                 model.run_eagerly,

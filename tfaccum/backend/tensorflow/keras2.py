@@ -24,7 +24,7 @@ model = tf_keras.Sequential([
 import tensorflow as tf
 import tf_keras
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.moments import saved_as
 from tfaccum.backend.tensorflow.moments import WindowedMoments
 
@@ -45,7 +45,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
 
     def call(self, inputs, training=None, mask=None):
         pooled = self._pooled
-        training = tf.get_static_value(_keras.tf_keras_training_value(self, training))
+        training = tf.get_static_value(_keras_on_tf.tf_keras_training_value(self, training))
         if pooled is None or not training:
             return super().call(inputs, training=training, mask=mask)
         inputs = tf.cast(inputs, self.compute_dtype)
@@ -55,7 +55,7 @@ class AccumBatchNormalization(WindowedMoments, tf_keras.layers.BatchNormalizatio
         if self._synchronizes(mask):
             share, (_, mean, variance) = self._synchronized_moments(x, axes)
         else:
-            mean, variance = _keras.tf_keras_batch_norm_moments(self, x, axes, mask)
+            mean, variance = _keras_on_tf.tf_keras_batch_norm_moments(self, x, axes, mask)
             share = (self._sample_count(x, mask, axes), mean, variance)
         pooled.stage(*share)
         shape = [1] * ndims

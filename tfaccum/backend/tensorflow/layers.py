@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.moments import WindowedMoments
 
 
@@ -54,11 +54,11 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
         # BatchNormalization's training branch, with the moving statistics
         # left to the end of the window.
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        axes = _keras.batch_norm_reduction_axes(self)
+        axes = _keras_on_tf.batch_norm_reduction_axes(self)
         if self._synchronizes(mask):
             share, (_, mean, variance) = self._synchronized_moments(inputs, axes)
         else:
-            mean, variance = _keras.batch_norm_moments(self, inputs, mask)
+            mean, variance = _keras_on_tf.batch_norm_moments(self, inputs, mask)
             share = (self._sample_count(inputs, mask, axes), mean, variance)
         pooled.stage(*share)
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None

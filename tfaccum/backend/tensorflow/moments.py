@@ -12,7 +12,7 @@ import threading
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.observers import WindowObserver
 
 
@@ -183,7 +183,7 @@ class WindowedMoments:
     _pooled = None  # a PooledMoments while an accumulation hook is installed
 
     def _new_pooled(self, strategy):
-        if _keras.batch_norm_renorm(self):
+        if _keras_on_tf.batch_norm_renorm(self):
             raise ValueError(
                 f"Layer {self.name!r}: AccumBatchNormalization with "
                 "`renorm=True` is not supported under gradient accumulation. "
@@ -258,7 +258,7 @@ def accumulating_layers(model):
     """The `AccumBatchNormalization` layers of `model` (either Keras), nested ones included."""
     return [
         layer
-        for layer in _keras.flatten_layers(model)
+        for layer in _keras_on_tf.flatten_layers(model)
         if isinstance(layer, WindowedMoments)
     ]
 

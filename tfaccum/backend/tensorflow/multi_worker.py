@@ -21,7 +21,7 @@ removed once Keras fixes those bugs.
 
 import keras
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 
 # Keras versions whose TensorFlow trainer has the two bugs, as read.
 KNOWN_VERSIONS = ((3, 7), (3, 15))
@@ -53,7 +53,7 @@ def enable_keras3_multi_worker():
     """
     version = keras.__version__
     low, high = KNOWN_VERSIONS
-    missing = _keras.keras3_multi_worker_patch.missing()
+    missing = _keras_on_tf.keras3_multi_worker_patch.missing()
     if not low <= _version(version) <= high or missing:
         raise RuntimeError(
             "enable_keras3_multi_worker() works around two bugs of Keras "
@@ -64,9 +64,9 @@ def enable_keras3_multi_worker():
             + ". Try Keras' own `fit` first (the bugs may be fixed), or use "
             "tf_keras for several workers."
         )
-    _keras.keras3_multi_worker_patch.install()
+    _keras_on_tf.keras3_multi_worker_patch.install()
 
 
 def disable_keras3_multi_worker():
     """Puts Keras' own code back (a no-op if it was not replaced)."""
-    _keras.keras3_multi_worker_patch.remove()
+    _keras_on_tf.keras3_multi_worker_patch.remove()

@@ -10,7 +10,7 @@ hook hold no replica branch.
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.observers import Update
 from tfaccum.counts import Window
 
@@ -21,14 +21,14 @@ def variable_options(strategy):
     Replicas (one or several, under a strategy) keep one each, summed when
     read across them; without a strategy a plain variable.
     """
-    if _keras.under_strategy(strategy):
+    if _keras_on_tf.under_strategy(strategy):
         return tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM
     return tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE
 
 
 def for_model(model, state, applier, observers, *, skip_nonfinite, source):
     """`OneDevice` without a strategy, `Replicas` under one (even of one replica)."""
-    cls = Replicas if _keras.under_strategy(model.distribute_strategy) else OneDevice
+    cls = Replicas if _keras_on_tf.under_strategy(model.distribute_strategy) else OneDevice
     return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite, source=source)
 
 
@@ -61,7 +61,7 @@ class OneDevice:
         self.observers = observers
         self.skip_nonfinite = skip_nonfinite
         self._optimizer = model.optimizer
-        self._api = _keras.api_for(model)
+        self._api = _keras_on_tf.api_for(model)
 
     @property
     def traced(self):
@@ -97,7 +97,7 @@ class OneDevice:
         """Ends the window if it is full (inside the step)."""
         applied = tf.cond(self.state.is_full(), lambda: self.end_window(self.window_counts()),
                           lambda: tf.constant(False))
-        _keras.keep_as_function_call(applied)
+        _keras_on_tf.keep_as_function_call(applied)
 
     # -- ending a window --------------------------------------------------------------
 
@@ -137,7 +137,7 @@ class OneDevice:
         grads = self._reduce(self.source.gradients(prepared, window, denominator))
         variables = self.state.variables
         gradient_scale = self._api.loss_scale(self._optimizer)  # before the update
-        iterations = _keras.iterations(self._optimizer)
+        iterations = _keras_on_tf.iterations(self._optimizer)
         before = tf.convert_to_tensor(iterations) if self.source.may_skip else None
         self.applier(grads, variables, self.replicas > 1)
         applied = 1
@@ -172,7 +172,7 @@ class OneDevice:
 
     def _lower_loss_scale(self, rescale):
         """Lowers a dynamic loss scale after a non-finite micro-batch, as Keras does."""
-        if not _keras.scales_loss_dynamically(self._optimizer):
+        if not _keras_on_tf.scales_loss_dynamically(self._optimizer):
             return tf.constant(False)
         factor = self._api.lower_loss_scale(self._optimizer)
         if rescale and factor is not None:
@@ -190,7 +190,7 @@ class OneDevice:
 
     def drop_graph(self):
         window = self.window_counts()
-        _keras.for_each_replica(self.strategy, self._drop_on_replica, args=(window,))
+        _keras_on_tf.for_each_replica(self.strategy, self._drop_on_replica, args=(window,))
         return window["window_micro_batches"], window["window_samples"]
 
     def _drop_on_replica(self, window):
@@ -322,7 +322,7 @@ class Replicas(OneDevice):
     def _reduce(self, grads):
         # Applied as on one device: the optimizer receives (and clips) the
         # window's gradient summed over replicas.
-        return _keras.all_reduce_sum(grads)
+        return _keras_on_tf.all_reduce_sum(grads)
 
     def _reset(self, local, window, **extra_counts):
         # The reduced window's samples, items and left-out shares join the totals.
@@ -353,7 +353,7 @@ class Replicas(OneDevice):
             lambda: self._apply_on_replicas(window, **extra_counts),
             lambda: self._skip_on_replicas(window),
         )
-        if self.skip_nonfinite and _keras.scales_loss_dynamically(self._optimizer):
+        if self.skip_nonfinite and _keras_on_tf.scales_loss_dynamically(self._optimizer):
             lowered = tf.cond(window["window_nonfinite"] > 0,
                               lambda: self._lower_loss_scale(rescale=False),
                               lambda: tf.constant(False))
@@ -364,14 +364,14 @@ class Replicas(OneDevice):
     def _apply_on_replicas(self, window, **extra_counts):
         prepared = self.source.prepare(window)  # once per window, cross-replica
         with self._api.own_reduction_off(self._optimizer):
-            _keras.for_each_replica(self.strategy, self.apply_window, args=(window, prepared),
+            _keras_on_tf.for_each_replica(self.strategy, self.apply_window, args=(window, prepared),
                                     kwargs=extra_counts)
         return tf.constant(True)
 
     def _skip_on_replicas(self, window):
         """Every share of every micro-batch was left out: no update."""
         self._api.count_skipped_update(self._optimizer)
-        _keras.for_each_replica(self.strategy, self._skip_on_replica, args=(window,))
+        _keras_on_tf.for_each_replica(self.strategy, self._skip_on_replica, args=(window,))
         return tf.constant(False)
 
     def _skip_on_replica(self, window):

@@ -22,7 +22,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 
 
 class StepRollback:
@@ -47,7 +47,7 @@ class StepRollback:
         if not tracing and not self._watch_eager:
             yield
             return
-        before = [] if tracing else _values(_keras.stateful_variables(self.model))
+        before = [] if tracing else _values(_keras_on_tf.stateful_variables(self.model))
         made = []
 
         def record(next_creator, **kwargs):

@@ -13,10 +13,10 @@ import threading
 
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
-from tfaccum.backend.tensorflow.items import LossCounting
-from tfaccum.backend.tensorflow.items import OnceWarner
+from tfaccum.backend.tensorflow.loss_counting import LossCounting
+from tfaccum.backend.tensorflow.loss_counting import OnceWarner
 from tfaccum.patching import InstancePatch
 from tfaccum.patching import SharedPatches
 
@@ -124,7 +124,7 @@ class StepTracer:
     def __init__(self, model, *, counts_items, weigh, weight_in_loss, loss_share,
                  on_micro_batch):
         self.model = model
-        self._api = _keras.api_for(model)
+        self._api = _keras_on_tf.api_for(model)
         self._optimizer = model.optimizer
         self._counts_items = counts_items
         self._weigh = weigh
@@ -139,7 +139,7 @@ class StepTracer:
         self._loss_patch = InstancePatch(self._optimizer, self._api.loss_method, self._scale_loss)
         # The model's other optimizers (a GAN's) are watched: an update
         # through them could not be accumulated.
-        self._others = _keras.other_optimizers(model)
+        self._others = _keras_on_tf.other_optimizers(model)
         others = [InstancePatch(optimizer, self._api.apply_method, None)
                   for _, optimizer in self._others]
         for (name, _), patch in zip(self._others, others):
@@ -161,7 +161,7 @@ class StepTracer:
         if step.applies == 0 and not self.model.trainable_weights:
             return logs, "nothing to train"
         known = {id(optimizer) for _, optimizer in self._others}
-        made = [name for name, optimizer in _keras.other_optimizers(self.model)
+        made = [name for name, optimizer in _keras_on_tf.other_optimizers(self.model)
                 if id(optimizer) not in known]
         if step.others or made:
             raise StepError(
@@ -211,7 +211,7 @@ class StepTracer:
         """
         if self._several_losses is None:
             self._several_losses = (self._counts_items
-                                    and _keras.may_hold_several_losses(self.model))
+                                    and _keras_on_tf.may_hold_several_losses(self.model))
         if not self._several_losses:
             yield
             return
@@ -276,7 +276,7 @@ class StepTracer:
         step = self._local.step
         grads, variables = self._api.apply_arguments(*args, **kwargs)
         if variables is None:
-            variables = _keras.optimizer_variables(self._optimizer)
+            variables = _keras_on_tf.optimizer_variables(self._optimizer)
         grads, variables = list(grads), list(variables)
         if len(grads) != len(variables):
             raise ValueError(
@@ -342,7 +342,7 @@ class StepTracer:
 
 def count_samples(data):
     """Number of samples in a micro-batch, as an int64 scalar tensor."""
-    x, _, _ = _keras.unpack_x_y_sample_weight(data)
+    x, _, _ = _keras_on_tf.unpack_x_y_sample_weight(data)
     for leaf in tf.nest.flatten(x):
         if leaf is None:
             continue

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.gradients import unscaled
 from tfaccum.backend.tensorflow.observers import WindowObserver
 from tfaccum.dashboard_writer import DashboardWriter
@@ -41,16 +41,16 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         # One row more than `capacity`: where an update that finds the
         # buffer full goes (never written out), so that storing a row
         # needs no branch.
-        self._rows = _keras.local_variable(
+        self._rows = _keras_on_tf.local_variable(
             tf.zeros((capacity + 1, len(_COLUMNS)), tf.float64), "summary_rows"
         )
-        self._row_count = _keras.local_variable(tf.zeros((), tf.int64), "summary_row_count")
+        self._row_count = _keras_on_tf.local_variable(tf.zeros((), tf.int64), "summary_row_count")
         # Updates that found the buffer full (none when written in time).
-        self._overflow = _keras.local_variable(tf.zeros((), tf.int64), "summary_overflow")
+        self._overflow = _keras_on_tf.local_variable(tf.zeros((), tf.int64), "summary_overflow")
         # Sum and maximum of the micro-batch gradient norms in the window.
-        self._micro_norm_sum = _keras.local_variable(0.0, "micro_norm_sum")
-        self._micro_norm_max = _keras.local_variable(0.0, "micro_norm_max")
-        self._micro_count = _keras.local_variable(0.0, "micro_count")
+        self._micro_norm_sum = _keras_on_tf.local_variable(0.0, "micro_norm_sum")
+        self._micro_norm_max = _keras_on_tf.local_variable(0.0, "micro_norm_max")
+        self._micro_count = _keras_on_tf.local_variable(0.0, "micro_count")
         self._norms = None  # (capacity, variables), created at installation
 
     # -- the window protocol (inside the train step) ------------------------------
@@ -70,7 +70,7 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
     def _make_norms(self, variables):
         self._columns = {id(v): i for i, v in enumerate(variables)}
-        self._norms = _keras.local_variable(
+        self._norms = _keras_on_tf.local_variable(
             tf.zeros((self.capacity + 1, len(variables)), tf.float32),
             "summary_accumulator_norms",
         )

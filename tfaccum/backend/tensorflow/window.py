@@ -2,7 +2,7 @@
 
 `WindowState` is the window a hook holds: the accumulators
 (`Accumulators`: one per variable that received a gradient), one more
-set per output that counts differently (`OutputChannels`), the `Counts`,
+set per output that counts differently (`OutputChannels`), the `CounterVariable`,
 the window's length and its `Reduction`; it alone adds a micro-batch, leaves
 one out, says whether it is full, reads its counts, normalises and resets.
 Everything here runs inside the compiled train step.
@@ -13,7 +13,7 @@ import warnings
 import tensorflow as tf
 
 from tfaccum import reduction as _reduction
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow.accumulators import Accumulators
 from tfaccum.backend.tensorflow.observers import MicroStep
@@ -41,7 +41,7 @@ class OutputChannels:
         weights: Their `loss_weights` entries (`None` for 1).
         sparse_rows: As `Accumulators`'.
         loss_share: What Keras multiplies each replica's losses by (see
-            `_keras.replica_loss_share`).
+            `_keras_on_tf.replica_loss_share`).
     """
 
     def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0,
@@ -153,13 +153,13 @@ class WindowState:
         builds the optimizer in its first trace on one device). Embedding
         tables get rows as well as a dense accumulator; the trace keeps one.
         """
-        if not model.built or not _keras.trains_with_keras_step(model):
+        if not model.built or not _keras_on_tf.trains_with_keras_step(model):
             return
         with tf.init_scope(), model.distribute_strategy.scope():
             api.build_optimizer(model.optimizer, model.trainable_variables)
             self.accumulators.create_dense(model.trainable_variables, provisional=True)
             # Replicas made theirs dense for good (`prepare`): no rows there.
-            self.accumulators.create_rows(_keras.embedding_tables(model))
+            self.accumulators.create_rows(_keras_on_tf.embedding_tables(model))
 
     def _weighs_items(self, every_sample_counts):
         """Whether a micro-batch's weight is its `items` (known while tracing)."""

@@ -19,7 +19,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.reduction import Auto
 
 
@@ -262,12 +262,12 @@ def check_window_loss_meets(model, loss, configuration):
         refuse(f"a strategy across several machines ({type(strategy).__name__})",
                "the window's outputs are gathered across one machine's replicas only",
                "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
-    api = _keras.api_for(model)
+    api = _keras_on_tf.api_for(model)
     if replicas > 1 and not api.gathers_across_replicas:
         refuse(f"a tf_keras model under a strategy with {replicas} replicas",
                "gathering the window's outputs across replicas is built for Keras 3 only",
                "Use Keras 3, or one device.")
-    if not _keras.trains_with_keras_step(model):
+    if not _keras_on_tf.trains_with_keras_step(model):
         refuse("a `train_step` of its own",
                "the window's loss is computed by tfaccum's step, which runs Keras' "
                "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
@@ -275,30 +275,30 @@ def check_window_loss_meets(model, loss, configuration):
         refuse("jit_compile=True (which Keras 3's default, \"auto\", picks on a GPU)",
                "the window's buffers grow with each micro-batch, which XLA's fixed shapes "
                "do not allow", "Compile with jit_compile=False.")
-    if replicas > 1 and _keras.may_hold_several_losses(model):
+    if replicas > 1 and _keras_on_tf.may_hold_several_losses(model):
         refuse(f"several compiled losses under a strategy with {replicas} replicas",
                "the window's loss is taken whole and Keras' per-replica share undone for "
                "it as one averaged loss", "Compile one loss, or train on one device.")
-    if not _keras.computes_loss_as_keras(model):
+    if not _keras_on_tf.computes_loss_as_keras(model):
         refuse("a `compute_loss` of its own", "the window's loss is computed from the "
                "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
-    if _keras.api_for(model).has_compiled_metrics(model):
+    if _keras_on_tf.api_for(model).has_compiled_metrics(model):
         refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
                "yet (the loss is reported, as the large batch's)",
                "Compile without metrics and evaluate with `model.evaluate()` or a "
                "callback.")
-    norms = [layer.name for layer in _keras.flatten_layers(model)
+    norms = [layer.name for layer in _keras_on_tf.flatten_layers(model)
              if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__)]
     if norms:
         refuse(f"batch normalization (layers {norms})",
                "each micro-batch's forward pass would run twice, with its own batch "
                "statistics", "Use LayerNormalization in the towers.")
-    random = _keras.api_for(model).random_layers(model)
+    random = _keras_on_tf.api_for(model).random_layers(model)
     if random:
         refuse(f"tf_keras layers that draw random numbers ({random})",
                "their masks cannot be drawn again for the second forward pass",
                "Use Keras 3 (its seed generators replay), or remove them.")
-    if not api.caches_under_loss_scaling and _keras.scales_loss_dynamically(model.optimizer):
+    if not api.caches_under_loss_scaling and _keras_on_tf.scales_loss_dynamically(model.optimizer):
         refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
                "Use Keras 3, or float32.")
     if configuration.reduction != Auto():

@@ -18,7 +18,7 @@ import warnings
 import tensorflow as tf
 
 from tfaccum import items as items_api
-from tfaccum.backend.tensorflow import _keras
+from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.patching import InstancePatch
 
 _current = threading.local()  # the `ItemCount` of the step tracing in this thread
@@ -140,7 +140,7 @@ class LossCounting:
     """
 
     def __init__(self, model):
-        self._compile_loss = _keras.api_for(model).loss_container(model)
+        self._compile_loss = _keras_on_tf.api_for(model).loss_container(model)
         self._lock = threading.Lock()
         self._depth = 0
         self._patches = []
@@ -170,14 +170,14 @@ class LossCounting:
         container = self._compile_loss
         if container is None:
             return
-        if _keras.compiled_losses_of(container):
+        if _keras_on_tf.compiled_losses_of(container):
             self._wrap_losses()
             return
         build = container.build
 
         def build_then_wrap(*args, **kwargs):
             result = build(*args, **kwargs)
-            if _keras.compiled_losses_of(container):
+            if _keras_on_tf.compiled_losses_of(container):
                 self._wrap_losses()
             return result
 
@@ -185,8 +185,8 @@ class LossCounting:
 
     def _wrap_losses(self):
         container = self._compile_loss
-        originals = _keras.compiled_losses_of(container)
-        attribute, wrapped = _keras.wrapped_losses_patch(
+        originals = _keras_on_tf.compiled_losses_of(container)
+        attribute, wrapped = _keras_on_tf.wrapped_losses_patch(
             container, lambda name, loss, weight: _Counted(loss, name, weight)
         )
         self._apply(InstancePatch(container, attribute, wrapped))
@@ -223,15 +223,15 @@ class _Counted:
         count = getattr(_current, "count", None)
         if count is None:  # not inside a counted trace
             return self.loss(y_true, y_pred, sample_weight)
-        mask = _keras.keras_mask(y_pred)
+        mask = _keras_on_tf.keras_mask(y_pred)
         _current.values = None
         value = self.loss(y_true, y_pred, sample_weight)
-        divisor, proportional, positive = _keras.loss_divisor(
+        divisor, proportional, positive = _keras_on_tf.loss_divisor(
             self.loss, _current.values, mask, sample_weight
         )
         count.per_output.append(
             CountedOutput(self.name, divisor, proportional, positive,
-                          _keras.as_in_total_loss(self.loss, value), self.weight))
+                          _keras_on_tf.as_in_total_loss(self.loss, value), self.weight))
         return value
 
     def __getattr__(self, name):

@@ -11,10 +11,10 @@ was checked on.
 from tfaccum._keras import *  # noqa: F401,F403
 from tfaccum._keras import __all__ as _common
 
-from tfaccum.backend.tensorflow._keras.tf_keras import (  # noqa: F401
+from tfaccum.backend.tensorflow._keras_on_tf.tf_keras import (  # noqa: F401
     TfKeras,
 )
-from tfaccum.backend.tensorflow._keras.losses import (  # noqa: F401
+from tfaccum.backend.tensorflow._keras_on_tf.losses import (  # noqa: F401
     as_in_total_loss,
     compiled_losses_of,
     keras_mask,
@@ -22,7 +22,7 @@ from tfaccum.backend.tensorflow._keras.losses import (  # noqa: F401
     may_hold_several_losses,
     wrapped_losses_patch,
 )
-from tfaccum.backend.tensorflow._keras.distribution import (  # noqa: F401
+from tfaccum.backend.tensorflow._keras_on_tf.distribution import (  # noqa: F401
     all_reduce_sum,
     for_each_replica,
     keep_as_function_call,
@@ -30,14 +30,14 @@ from tfaccum.backend.tensorflow._keras.distribution import (  # noqa: F401
     under_strategy,
     writes_summaries,
 )
-from tfaccum.backend.tensorflow._keras.batch_norm import (  # noqa: F401
+from tfaccum.backend.tensorflow._keras_on_tf.batch_norm import (  # noqa: F401
     batch_norm_moments,
     batch_norm_reduction_axes,
     batch_norm_renorm,
     tf_keras_batch_norm_moments,
     tf_keras_training_value,
 )
-from tfaccum.backend.tensorflow._keras.multi_worker import (  # noqa: F401
+from tfaccum.backend.tensorflow._keras_on_tf.multi_worker import (  # noqa: F401
     keras3_multi_worker_patch,
 )
 __all__ = _common + [

@@ -1,4 +1,4 @@
-"""The hook's counts on TensorFlow: named int64 counters in one variable."""
+"""The hook's counts on TensorFlow: named int64 counters in one variable (`CounterVariable`)."""
 
 import collections.abc
 
@@ -9,7 +9,7 @@ from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 
 
-class Counts:
+class CounterVariable:
     """Named int64 counters held in one variable.
 
     One variable, so that a micro-step updates everything it counts with one
