@@ -29,8 +29,9 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py \
 	tests/test_interrupts.py
 
-# Keras 3 on JAX: its own file, and the files written for both backends.
-JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py \
+# Keras 3 on JAX: its own file, and the files written for both backends that
+# pass there whole (a test only TensorFlow has says so: `backend` marker).
+JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py tests/test_callback.py tests/test_hook.py \
 	tests/test_optimizers.py tests/test_interrupts.py tests/test_reduction.py
 
 test: $(VENV)/.installed-test

@@ -49,9 +49,17 @@ SLOW_FIRST = ("test_examples_models.py", "test_tf_keras.py", "test_examples.py",
               "test_keras_hub.py", "test_fuzz.py")
 
 
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable
+    for item in items:
+        marker = item.get_closest_marker("backend")
+        if marker is not None and BACKEND not in marker.args:
+            item.add_marker(pytest.mark.skip(
+                reason=f"Keras on {' or '.join(marker.args)} only: {marker.kwargs['reason']}"))
 
 
 def pytest_report_header(config):
@@ -59,6 +67,11 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backend(*names, reason): what only these Keras backends have; skipped on the "
+        "others with the reason (where another backend refuses it, the refusal's test is named)",
+    )
     config.addinivalue_line(
         "markers",
         "keras3: exercises what only Keras 3 has (deselected in the tf_keras run)",

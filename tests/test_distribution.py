@@ -26,6 +26,10 @@ from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="tf.distribute strategies and workers; JAX's DataParallel is tested in test_jax.py")
+
 TOL = 1e-5
 
 

@@ -14,6 +14,10 @@ from tfaccum import GradientAccumulationCallback
 tf_keras = pytest.importorskip("tf_keras")  # part of the test extra
 from tfaccum.backend.tensorflow.keras2 import AccumBatchNormalization  # noqa: E402
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="tf_keras' layers")
+
 TOL = 1e-5
 
 

@@ -14,6 +14,10 @@ from reference import make_data
 import tfaccum
 from tfaccum import GradientAccumulationCallback
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="tf_keras' optimizers")
+
 tf_keras = pytest.importorskip("tf_keras")  # part of the test extra
 legacy = tf_keras.optimizers.legacy
 

@@ -23,6 +23,10 @@ from reference import windows
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="its covering array crosses TensorFlow-only options (MirroredStrategy, skip_nonfinite, bfloat16 accumulators, BN)")
+
 FACTORS = {
     "reduction": ["auto", "samples", "mean", "sum"],
     "leftover": ["flush", "carry", "drop"],

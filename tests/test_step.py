@@ -16,6 +16,10 @@ import tfaccum
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import step as step_module
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="TensorFlow's traced step (its graph, tapes and AutoGraph)")
+
 
 class SubclassedTwoOutputs(keras.Model):
     def __init__(self):

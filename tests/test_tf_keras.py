@@ -21,6 +21,10 @@ from reference import read_run
 from tfaccum.dashboard_schema import TAG_PREFIX
 from tfaccum import GradientAccumulationCallback
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="tf_keras")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
 

@@ -14,6 +14,10 @@ from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.backend.tensorflow.counter_variable import CounterVariable
 
+pytestmark = pytest.mark.backend(
+    "tensorflow",
+    reason="TensorFlow's window state in variables")
+
 
 def test_counts_are_read_and_written_by_name():
     counts = CounterVariable(tf.distribute.get_strategy())
