@@ -324,7 +324,10 @@ def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
 
 
 @pytest.mark.parametrize("heads", [
-    pytest.param(1, id="one-output", marks=pytest.mark.once), pytest.param(2, id="two-outputs")])
+    pytest.param(1, id="one-output", marks=pytest.mark.once),
+    pytest.param(2, id="two-outputs", marks=pytest.mark.backend(
+        "tensorflow", reason="several masked outputs are refused by name on JAX "
+        "(test_jax.py::test_several_masked_outputs_are_refused_by_name_and_undone)"))])
 def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
     """Recorded per update: the loss the large batch reports, point for point."""
     from reference import read_run

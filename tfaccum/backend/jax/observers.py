@@ -22,10 +22,15 @@ class MicroStep:
     Attributes:
         squared_norm: Squared norm of the gradient of its mean loss.
         samples: Its samples (int32), in the unit the window weighs by.
+        loss: Its loss (float32), as Keras logs it.
+        sample_count: Its samples proper (int32): what its loss weighs in a
+            window whose micro-batches counted no item.
     """
 
     squared_norm: object
     samples: object
+    loss: object = None
+    sample_count: object = None
 
 
 @dataclasses.dataclass(frozen=True)

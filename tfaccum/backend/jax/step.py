@@ -104,10 +104,11 @@ class CompiledSteps:
             non_trainable[i] = self.devices.first(value)
         if self.observers:
             # Each device's share is a micro-batch to the observers.
-            squares = jnp.reshape(share["square"], (-1,))
-            added = jnp.reshape(share["added"], (-1,))
+            squares, added, losses, sample_counts = (jnp.reshape(share[name], (-1,)) for name in (
+                "square", "added", "loss", "samples"))
             for i in range(self.devices.shares):
-                step = MicroStep(squared_norm=squares[i], samples=added[i])
+                step = MicroStep(squared_norm=squares[i], samples=added[i],
+                                 loss=losses[i].astype(jnp.float32), sample_count=sample_counts[i])
                 observed = tuple(o.on_micro_step(s, step)
                                  for o, s in zip(self.observers, observed))
         loss = self._loss(share)
@@ -162,6 +163,7 @@ class CompiledSteps:
                         for a, g in zip(accumulators, grads)]
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "added": added,
+                 "samples": jnp.asarray(samples, jnp.int32),
                  # What the micro-batch's loss divides the shares' weighted sum by.
                  "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}
         # What the forward pass changed (a seed, a statistic); a frozen

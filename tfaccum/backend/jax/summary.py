@@ -15,7 +15,10 @@ from tfaccum.dashboard_writer import DashboardWriter
 from tfaccum.dashboard_writer import SERIES
 from tfaccum.dashboard_writer import UpdateRows
 
-_MEASURED = ("applied_gradient_norm", "micro_norm_mean", "micro_norm_max", "noise_scale")
+_MEASURED = ("applied_gradient_norm", "micro_norm_mean", "micro_norm_max", "noise_scale",
+             "window_loss")
+# The window's micro-batch losses, each times its items and times its samples.
+_LOSS_SUMS = ("loss_items", "items", "loss_samples", "samples")
 
 
 class AccumulationSummaries(WindowObserver, DashboardWriter):
@@ -39,21 +42,35 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         variables = len(self.hook.model.trainable_variables)
         # Arrays of their own: the state is donated to the compiled step.
         state = {name: jnp.zeros((), jnp.float32) for name in (
-            "micro_sum", "micro_max", "micro_count", "micro_mean", "micro_top", "applied")}
+            "micro_sum", "micro_max", "micro_count", "micro_mean", "micro_top", "applied",
+            "window_loss", *_LOSS_SUMS)}
         return dict(state, per_variable=jnp.zeros((variables,), jnp.float32))
 
     def on_micro_step(self, state, step):
         norm = jnp.sqrt(step.squared_norm)
+        items = step.samples.astype(jnp.float32)
+        samples = step.sample_count.astype(jnp.float32)
         return dict(state, micro_sum=state["micro_sum"] + norm,
                     micro_max=jnp.maximum(state["micro_max"], norm),
-                    micro_count=state["micro_count"] + 1.0)
+                    micro_count=state["micro_count"] + 1.0,
+                    loss_items=state["loss_items"] + step.loss * items,
+                    items=state["items"] + items,
+                    loss_samples=state["loss_samples"] + step.loss * samples,
+                    samples=state["samples"] + samples)
 
     def on_apply(self, state, update):
         measured = state["micro_count"] > 0
         nan = jnp.float32(float("nan"))
         zero = jnp.zeros((), jnp.float32)
         per_variable = jnp.sqrt(jnp.stack(update.variable_squares))
+        # The window's loss weighted as the large batch's: by items, or by
+        # samples where the window counted none (as on TensorFlow).
+        counted = state["items"] > 0
+        window_loss = jnp.where(
+            counted, state["loss_items"] / jnp.maximum(state["items"], 1.0),
+            state["loss_samples"] / jnp.maximum(state["samples"], 1.0))
         return dict(state, micro_sum=zero, micro_max=zero, micro_count=zero,
+                    window_loss=window_loss, **{name: zero for name in _LOSS_SUMS},
                     micro_mean=jnp.where(measured, state["micro_sum"]
                                          / jnp.maximum(state["micro_count"], 1.0), nan),
                     micro_top=jnp.where(measured, state["micro_max"], nan),
@@ -74,7 +91,7 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         if state is not None:
             self.hook.set_observer_state(self, dict(state, **{
                 name: jnp.zeros((), jnp.float32)
-                for name in ("micro_sum", "micro_max", "micro_count")}))
+                for name in ("micro_sum", "micro_max", "micro_count", *_LOSS_SUMS)}))
 
     def after_apply(self, iterations, window, counts):
         """Adds the row of the update just made (device values are not read yet).
@@ -89,7 +106,8 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         if self.noise is not None and self.noise.state() is not None:
             noise = self.noise.current()
         device = jnp.concatenate([
-            jnp.stack([state["applied"], state["micro_mean"], state["micro_top"], noise]),
+            jnp.stack([state["applied"], state["micro_mean"], state["micro_top"], noise,
+                       state["window_loss"]]),
             state["per_variable"]])  # a copy: the state is donated to the next step
         host = {"window_micro_batches": window["window_micro_batches"],
                 "window_samples": window["window_samples"],
