@@ -161,6 +161,12 @@ def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match)
     refused_then_plain(model_builder(), x, y, match, **kwargs)
 
 
+def test_a_loss_scale_optimizer_is_refused_by_name(mixed_precision):
+    # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer.
+    x, y = make_data(n=32)
+    refused_then_plain(model_builder("sgd"), x, y, "LossScaleOptimizer")
+
+
 @pytest.mark.parametrize("make", [
     lambda: tfaccum.InBatchSoftmax(), lambda: tfaccum.NTXent(),
     lambda: tfaccum.WindowLoss(lambda y_true, y_pred: y_pred[:, 0])],
