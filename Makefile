@@ -33,7 +33,7 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 # pass there whole (a test only TensorFlow has says so: `backend` marker).
 JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py tests/test_callback.py tests/test_hook.py \
 	tests/test_summary.py tests/test_degenerate.py tests/test_noise_scale.py tests/test_features_meet.py \
-	tests/test_optimizers.py tests/test_interrupts.py tests/test_reduction.py
+	tests/test_optimizers.py tests/test_interrupts.py tests/test_reduction.py tests/test_transparency.py
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

@@ -130,6 +130,13 @@ class AccumulationHook(HookFront):
         return logs, state
 
     def _micro_step(self, state, data):
+        if not state[0]:
+            # Keras makes no update for a model without trainable weights:
+            # its own step runs, a micro-step is counted and nothing joins a
+            # window (as on TensorFlow, where no gradient reaches the hook).
+            logs, state = self.model.train_step(state, data)
+            self.counts.add(micro_steps=1)
+            return logs, state
         samples = _keras_on_jax.batch_size(data)
         if self._accumulators is None:
             self._accumulators = [self.devices.zeros(v.shape, "float32") for v in state[0]]
