@@ -51,7 +51,7 @@ def write_runs(root, runs, updates, variables, seed=0):
             for name, kind in dashboard_schema.UPDATE_SERIES]
     tags += [(f"{dashboard_schema.ACCUMULATOR_PREFIX}layer_{v}/kernel",
               dashboard_schema.create_summary_metadata(dashboard_schema.Kind.ACCUMULATOR_NORM,
-                                               variable=f"layer_{v}/kernel"))
+                                                       variable=f"layer_{v}/kernel"))
              for v in range(variables)]
     leftover = [(dashboard_schema.TAG_PREFIX + name, dashboard_schema.create_summary_metadata(kind))
                 for name, kind in dashboard_schema.LEFTOVER_SERIES]

@@ -143,7 +143,8 @@ class AccumulationPlugin(base_plugin.TBPlugin):
                 if data is None:
                     problems.append(_problem(
                         tag, f"{tag}: written by a newer tfaccum (plugin data version "
-                        f"> {dashboard_schema.PROTO_VERSION}); upgrade tfaccum to read it; skipped"))
+                        f"> {dashboard_schema.PROTO_VERSION}); upgrade tfaccum to read it; "
+                        "skipped"))
                     continue
                 readable[tag] = (data, series)
             # New points move a tag's last step or wall time: cached answers
@@ -224,7 +225,8 @@ class AccumulationPlugin(base_plugin.TBPlugin):
 
     def _series(self, ctx, experiment, run, listed, points, columns):
         tags, problems = listed.tags, list(listed.problems)
-        update_tags = [dashboard_schema.TAG_PREFIX + name for name, _ in dashboard_schema.UPDATE_SERIES]
+        update_tags = [dashboard_schema.TAG_PREFIX + name
+                       for name, _ in dashboard_schema.UPDATE_SERIES]
         # Read a bounded sample of what TensorBoard keeps, then pick the
         # extremes of it: long runs stay fast, spikes stay visible. Series
         # written together have the same steps, so the provider's
@@ -283,7 +285,8 @@ class AccumulationPlugin(base_plugin.TBPlugin):
             if policy is None:
                 problems.append(_problem(names[0], (
                     f"{names[0]}: step {step}: leftover policy {value!r} is not one of "
-                    + ", ".join(f"{i} ({p})" for i, p in enumerate(dashboard_schema.LEFTOVER_POLICIES))
+                    + ", ".join(f"{i} ({p})"
+                                for i, p in enumerate(dashboard_schema.LEFTOVER_POLICIES))
                     + "; event skipped")))
                 continue
             events.append({
@@ -295,7 +298,8 @@ class AccumulationPlugin(base_plugin.TBPlugin):
         counter_names = ("micro_steps", "skipped_updates", "nonfinite_skips")
         last = self._read_last(
             ctx, experiment, run,
-            [t for t in [_APPLIED] + [dashboard_schema.TAG_PREFIX + n for n in counter_names] if t in tags],
+            [t for t in [_APPLIED] + [dashboard_schema.TAG_PREFIX + n for n in counter_names]
+             if t in tags],
             problems)
 
         def last_value(name):
@@ -344,8 +348,9 @@ def _real_points(tag, datums, problems):
 
 def _policy(value):
     """The policy a leftover event stores as its index, or `None` if it is none."""
-    if math.isfinite(value) and value == int(value) and 0 <= value < len(dashboard_schema.LEFTOVER_POLICIES):
-        return dashboard_schema.LEFTOVER_POLICIES[int(value)]
+    policies = dashboard_schema.LEFTOVER_POLICIES
+    if math.isfinite(value) and value == int(value) and 0 <= value < len(policies):
+        return policies[int(value)]
     return None
 
 

@@ -338,7 +338,7 @@ def synthetic_run(run):
     # The advice the series route computes (`dashboard_schema.run_advice`) from these numbers.
     numbers = [None if v is None else float(v) for v in noise]
     advice = dashboard_schema.run_advice(series["steps"], numbers, [None] * n, samples, micro_batches,
-                                 flushed)
+                                         flushed)
     series["advice"] = {key: finite_or_text(value) if isinstance(value, float) else value
                         for key, value in advice.items()}
     events = {

@@ -1,4 +1,4 @@
-"""The dashboard's schema: what the writer (`tfaccum.dashboard_writer`) and the reader (the plugin) agree on.
+"""The dashboard's schema: what the writer (`tfaccum.dashboard_writer`) and the plugin agree on.
 
 One place for the plugin name, the content proto's version, the tags, the
 `SummaryMetadata` that marks each series, and the vocabulary the callback,

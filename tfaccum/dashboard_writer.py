@@ -120,9 +120,12 @@ class DashboardWriter(abc.ABC):
 
     def _write_rows(self, rows):
         writer = self._get_writer()
-        metas = [dashboard_schema.create_summary_metadata(kind) for _, kind in dashboard_schema.UPDATE_SERIES]
-        per_variable = [(dashboard_schema.ACCUMULATOR_PREFIX + name, dashboard_schema.create_summary_metadata(
-            dashboard_schema.Kind.ACCUMULATOR_NORM, variable=name)) for name in rows.variable_names]
+        metas = [dashboard_schema.create_summary_metadata(kind)
+                 for _, kind in dashboard_schema.UPDATE_SERIES]
+        per_variable = [
+            (dashboard_schema.ACCUMULATOR_PREFIX + name, dashboard_schema.create_summary_metadata(
+                dashboard_schema.Kind.ACCUMULATOR_NORM, variable=name))
+            for name in rows.variable_names]
         plain = scalar_metadata.create_summary_metadata(
             display_name="", description="Applied gradient norm (tfaccum).")
         for step, values, norms in zip(rows.steps, rows.series, rows.per_variable):
@@ -149,8 +152,8 @@ class DashboardWriter(abc.ABC):
         self.write()  # earlier steps first: each series' steps must not go back
         writer = self._get_writer()
         with interrupts.deferred():  # all of the event's points, or none
-            for name, kind, value in dashboard_schema.leftover_points(policy, window, micro_steps,
-                                                             updates, nonfinite):
+            for name, kind, value in dashboard_schema.leftover_points(
+                    policy, window, micro_steps, updates, nonfinite):
                 writer.add_event(_event(dashboard_schema.TAG_PREFIX + name, value, step,
                                         dashboard_schema.create_summary_metadata(kind)))
 

@@ -145,4 +145,5 @@ class NoiseScaleEstimator(WindowObserver):
 
     def suggested_accumulation_steps(self):
         """`accumulation_steps` whose effective batch is closest to B_simple (the dashboard's rule)."""
-        return dashboard_schema.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)
+        return dashboard_schema.suggested_accumulation_steps(self.noise_scale,
+                                                             self.micro_batch_size)

@@ -113,7 +113,8 @@ class CompiledSteps:
                                  for o, s in zip(self.observers, observed))
         loss = self._loss(share)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight), y_pred)
+        logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight),
+                                                     y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
         return logs, state, accumulators, observed, items
 

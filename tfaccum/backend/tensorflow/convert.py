@@ -72,7 +72,7 @@ def convert_batch_norm(model, in_place=False, verbose=1):
         _keras_on_tf.forget_traced_functions(target)
     if verbose:
         _keras_on_tf.print_msg(f"Converted {converted} BatchNormalization layer"
-                         f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
+                               f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
     if not converted and not accumulating_layers(target):
         warnings.warn(
             f"`convert_batch_norm` found no BatchNormalization layer in model "

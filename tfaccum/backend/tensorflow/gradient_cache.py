@@ -454,7 +454,7 @@ class CachedGradients:
             # Keras divides a loss by the replicas (each replica's share of a
             # batch): this one is the whole window's.
             loss = _keras_on_tf.api_for(model).compiled_loss(model, parts["y"], outputs,
-                                                       parts["sample_weight"])
+                                                             parts["sample_weight"])
             loss = loss / tf.cast(self.state.loss_share, loss.dtype)
             scaled = _keras_on_tf.scaled_loss(model.optimizer, loss)
         return loss, tape.gradient(scaled, outputs)

@@ -294,4 +294,5 @@ class NoiseScaleEstimator(WindowObserver):
 
         The dashboard's rule (`tfaccum.dashboard_schema`), so both say the same.
         """
-        return dashboard_schema.suggested_accumulation_steps(self.noise_scale, self.micro_batch_size)
+        return dashboard_schema.suggested_accumulation_steps(self.noise_scale,
+                                                             self.micro_batch_size)

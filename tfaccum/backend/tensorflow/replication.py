@@ -365,7 +365,7 @@ class Replicas(OneDevice):
         prepared = self.source.prepare(window)  # once per window, cross-replica
         with self._api.own_reduction_off(self._optimizer):
             _keras_on_tf.for_each_replica(self.strategy, self.apply_window, args=(window, prepared),
-                                    kwargs=extra_counts)
+                                          kwargs=extra_counts)
         return tf.constant(True)
 
     def _skip_on_replicas(self, window):
