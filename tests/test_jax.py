@@ -353,6 +353,23 @@ def test_tfaccums_batch_normalization_is_refused_by_name_on_jax():
     refused_then_plain(build, x, y, "AccumBatchNormalization")
 
 
+def test_converted_batch_normalization_in_a_nested_model_is_refused_by_name_on_jax():
+    # `convert_batch_norm`'s layers are saved as BatchNormalization (their class name is
+    # Keras'): they are found by their class's module, inside nested models too.
+    def build():
+        keras.utils.set_random_seed(1)
+        backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                     keras.layers.BatchNormalization()])
+        inputs = keras.Input((5,))
+        model = tfaccum.convert_batch_norm(
+            keras.Model(inputs, keras.layers.Dense(1)(backbone(inputs))), verbose=0)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    x, y = make_data(n=32)
+    refused_then_plain(build, x, y, "AccumBatchNormalization")
+
+
 def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
     from test_keras_hub import gpt2_causal_lm
     from test_keras_hub import sentences

@@ -203,9 +203,10 @@ def ignore_class(model):
 
 
 def toolkit_parts(model):
-    """tfaccum's own layers and losses in `model` (public: registered names, classes)."""
+    """tfaccum's own layers and losses in `model`: a class of tfaccum's among each
+    one's bases (`convert_batch_norm`'s layers carry Keras' name and module)."""
     layers = [layer.name for layer in flatten_layers(model)
-              if keras.saving.get_registered_name(type(layer)).startswith("tfaccum>")]
+              if any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)]
     losses = [type(loss).__name__ for loss in keras.tree.flatten(getattr(model, "loss", None))
               if type(loss).__module__.startswith("tfaccum.")]
     return layers + losses
