@@ -17,6 +17,7 @@ configures the session and holds fixtures only).
 import dataclasses
 import math
 import os
+import types
 import warnings
 
 import numpy as np
@@ -32,8 +33,12 @@ if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
 
     keras = tf.keras  # tf_keras, as its users get it
     KERAS = "tf_keras"
+    # The few of Keras 3's `ops` the shared tests' losses use, in TensorFlow's.
+    ops = types.SimpleNamespace(cast=tf.cast, maximum=tf.maximum, sum=tf.reduce_sum,
+                                stack=tf.stack, divide_no_nan=tf.math.divide_no_nan)
 else:
     import keras
+    from keras import ops
 
     KERAS = "keras3"
 BACKEND = "tensorflow" if KERAS == "tf_keras" else keras.backend.backend()

@@ -52,7 +52,7 @@ def count_items(items):
     ```
     """
     if not is_tensor(items):
-        _check_number(items)
+        check_number(items)
     counts = getattr(_listening, "counts", None)
     if counts is not None:
         counts.append(items)
@@ -97,19 +97,40 @@ def is_tensor(items):
             and not isinstance(items, (np.ndarray, np.generic)))
 
 
-def _check_number(items):
-    """Checks a Python or NumPy count on the host."""
+# What a count must be, checked on the host (`check_number`) or, for a tensor,
+# in the step as it runs (each backend in its ops): (name, what it takes).
+RUN_TIME_CHECKS = (
+    ("finite", "a finite number"),
+    ("non_negative", "a count >= 0"),
+    ("whole", "a whole number"),
+    ("at_most", f"at most {MAX_ITEMS} (2**40) items"),
+)
+
+
+def check_number(items):
+    """Checks a Python or NumPy count (or a step's tensor read back as one) on the host."""
     if isinstance(items, (bool, np.bool_)) or not isinstance(items, numbers.Real):
         refuse(TypeError, "a whole number (a Python or NumPy number, or a scalar tensor)", items)
     value = float(items)
+    problems = dict(RUN_TIME_CHECKS)
     if value != value or value in (float("inf"), float("-inf")):
-        refuse(ValueError, "a finite number", items)
+        refuse(ValueError, problems["finite"], items)
     if value < 0:
-        refuse(ValueError, "a count >= 0", items)
+        refuse(ValueError, problems["non_negative"], items)
     if value != int(value):
-        refuse(ValueError, "a whole number", items)
+        refuse(ValueError, problems["whole"], items)
     if int(items) > MAX_ITEMS:
-        refuse(ValueError, f"at most {MAX_ITEMS} (2**40) items", items)
+        refuse(ValueError, problems["at_most"], items)
+
+
+def check_traced(items, *, dtype_name, is_number, shape):
+    """Checks a tensor count while its step traces: a number (`is_number`: its
+    dtype is an integer or a float) and a scalar (`shape`, a tuple or `None`
+    where unknown)."""
+    if not is_number:
+        refuse(TypeError, f"a number, not a tensor of {dtype_name}", items)
+    if shape is not None and len(shape) != 0:
+        refuse(ValueError, f"a scalar, not a tensor of shape {shape}", items)
 
 
 def check_said_once(said):

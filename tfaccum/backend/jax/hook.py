@@ -14,6 +14,7 @@ import numpy as np
 from tfaccum import _keras as keras_models
 from tfaccum import checks
 from tfaccum import interrupts
+from tfaccum import items as said_items
 from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.installation import ModelInstallation
@@ -151,10 +152,12 @@ class AccumulationHook(HookFront):
             and counts.values["window_micro_batches"] + 1 >= self._steps)
         given = state
         try:
-            logs, state, self._accumulators, self._observed, counts.items = (
+            logs, state, self._accumulators, self._observed, counts.items, said = (
                 self._compiled.accumulate(state, self._accumulators, self._observed,
                                           counts.items, data, self._window_vector(),
                                           jnp.asarray(samples, jnp.int32)))
+            if self._compiled.says_counts:
+                self._check_said(state, said)
             counts.add(micro_steps=1, samples=samples, window_micro_batches=1,
                        window_samples=samples)
             if counts.values["window_micro_batches"] >= self._steps:
@@ -168,6 +171,20 @@ class AccumulationHook(HookFront):
                 self.uninstall()  # `fit` stops here
             raise
         return logs, state
+
+    def _check_said(self, state, said):
+        """Checks the counts `count_items()` said in the step, each device's (read
+        on the host once a micro-step: only a step that says one waits). A bad
+        one fails `fit` before its window is applied: the model keeps the state
+        this step left, the hook is removed."""
+        try:
+            for count in np.asarray(said).tolist():
+                said_items.check_number(count)
+        except (TypeError, ValueError):
+            _keras_on_jax.restore(self.model, state)
+            self._accumulators = self._observed = None
+            self.uninstall()
+            raise
 
     def _window_vector(self):
         return jnp.asarray(self.counts.window_values(), jnp.int32)

@@ -42,6 +42,17 @@ def window_counts(vector):
     return {name: vector[i] for i, name in enumerate(WINDOW_COUNTS)}
 
 
+def check_count(items):
+    """Checks what `count_items()` said in a step while it traces (a number, a
+    scalar); returns it as float32, which the host checks as the step runs (a
+    bad count as it was said, a NaN as a NaN)."""
+    dtype = jnp.result_type(items)
+    said_items.check_traced(
+        items, dtype_name=str(dtype), is_number=jnp.issubdtype(dtype, jnp.number),
+        shape=tuple(jnp.shape(items)))
+    return jnp.asarray(items).astype(jnp.float32)
+
+
 def squared_norm(grads):
     return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
 
@@ -64,6 +75,8 @@ class CompiledSteps:
     def __init__(self, model, reduction, observers=(), jit=True, devices=None):
         self.model = model
         self.reduction = reduction
+        # Whether a step said a tensor count (`count_items()`): the host checks it.
+        self.says_counts = False
         self.observers = tuple(observers)
         self.devices = devices or parallel.OneDevice()
         # Norms of the gradients of mean losses: a summed loss's are divided.
@@ -116,7 +129,7 @@ class CompiledSteps:
         logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight),
                                                      y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
-        return logs, state, accumulators, observed, items
+        return logs, state, accumulators, observed, items, jnp.reshape(share["count"], (-1,))
 
     def _share(self, state, accumulators, items, data, open_window, samples):
         """One device's share of a micro-batch: its gradient added, as its reduction weighs it.
@@ -141,6 +154,10 @@ class CompiledSteps:
         # unmasked elements where a mask or `ignore_class` reached it (one
         # output), else the samples.
         counted = (said[0] if said else seen["items"]) if self.reduction.counts_items else None
+        count = jnp.float32(0)
+        if said and said_items.is_tensor(said[0]):
+            count = check_count(said[0])
+            self.says_counts = True
         added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
         open_window = self._share_window(open_window, items)
         square = jnp.zeros((), jnp.float32)
@@ -164,6 +181,7 @@ class CompiledSteps:
                         for a, g in zip(accumulators, grads)]
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "added": added,
+                 "count": count,
                  "samples": jnp.asarray(samples, jnp.int32),
                  # What the micro-batch's loss divides the shares' weighted sum by.
                  "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}

@@ -104,24 +104,17 @@ def _checked_count(items):
     if not tf.is_tensor(items):
         return tf.constant(int(items), tf.int64)
     dtype = tf.as_dtype(items.dtype)
-    if not (dtype.is_integer or dtype.is_floating) or dtype == tf.bool:
-        raise TypeError(f"`count_items()` takes what one micro-batch's loss was divided by: "
-                        f"a number, not a tensor of {dtype.name}. Received: items={items!r}")
-    if items.shape.rank is not None and items.shape.rank != 0:
-        raise ValueError(f"`count_items()` takes what one micro-batch's loss was divided by: "
-                         f"a scalar, not a tensor of shape {items.shape}. Received: "
-                         f"items={items!r}")
+    items_api.check_traced(
+        items, dtype_name=dtype.name,
+        is_number=(dtype.is_integer or dtype.is_floating) and dtype != tf.bool,
+        shape=None if items.shape.rank is None else tuple(items.shape))
     value = tf.cast(items, tf.float64)
-    checks = [
-        (tf.math.is_finite(value), "a finite number"),
-        (value >= 0.0, "a count >= 0"),
-        (tf.equal(tf.round(value), value), "a whole number"),
-        (value <= float(MAX_ITEMS), f"at most {MAX_ITEMS} (2**40) items"),
-    ]
+    passes = {"finite": tf.math.is_finite(value), "non_negative": value >= 0.0,
+              "whole": tf.equal(tf.round(value), value), "at_most": value <= float(MAX_ITEMS)}
     asserts = [
-        tf.debugging.Assert(ok, [f"`count_items()` takes what one micro-batch's loss was "
-                                 f"divided by: {problem}. Received: items=", value])
-        for ok, problem in checks
+        tf.debugging.Assert(passes[name], [f"`count_items()` takes what one micro-batch's loss "
+                                           f"was divided by: {problem}. Received: items=", value])
+        for name, problem in items_api.RUN_TIME_CHECKS
     ]
     with tf.control_dependencies(asserts):
         return tf.cast(tf.reshape(value, []), tf.int64)
