@@ -184,19 +184,32 @@ class Case:
     fit: dict = dataclasses.field(default_factory=dict)  # the refused fit's own arguments
     before: bool = False  # a first fit, accumulated, of both models
     keras3: bool = False
+    tensorflow_only: str = ""  # why the case is TensorFlow's only (a `backend` marker)
+
+
+# Why cases are TensorFlow's: JAX refuses the whole feature, by name, with its own test.
+OWN_STEP = ("a train_step written with tf.GradientTape; JAX refuses a model's own train_step "
+            "(test_jax.py::test_a_train_step_of_its_own_is_refused_by_name)")
+WINDOW_LOSS = ("JAX refuses a window-wide loss when it is made "
+               "(test_jax.py::test_a_window_wide_loss_is_refused_by_name_when_made)")
 
 
 CASES = {
     "several_optimizers": Case(_gan, r"optimizers other than `self.optimizer`: \['d_optimizer', "
-                               r"'g_optimizer'\]", data=lambda: (make_data(n=16)[0], None)),
+                               r"'g_optimizer'\]", data=lambda: (make_data(n=16)[0], None),
+                               tensorflow_only=OWN_STEP),
     "several_optimizers_eager": Case(lambda: _gan(run_eagerly=True),
                                      r"optimizers other than `self.optimizer`",
-                                     data=lambda: (make_data(n=16)[0], None)),
+                                     data=lambda: (make_data(n=16)[0], None),
+                                     tensorflow_only=OWN_STEP),
     "optimizer_made_in_the_step": Case(lambda: _gan(lazy=True),
                                        r"\['d_optimizer'\] were made in the step",
-                                       data=lambda: (make_data(n=16)[0], None)),
-    "no_apply": Case(lambda: _applying(0), r"applied gradients through `self.optimizer` 0 times"),
-    "two_applies": Case(lambda: _applying(2), r"applied gradients through `self.optimizer` 2 times"),
+                                       data=lambda: (make_data(n=16)[0], None),
+                                       tensorflow_only=OWN_STEP),
+    "no_apply": Case(lambda: _applying(0), r"applied gradients through `self.optimizer` 0 times",
+                     tensorflow_only=OWN_STEP),
+    "two_applies": Case(lambda: _applying(2), r"applied gradients through `self.optimizer` 2 times",
+                        tensorflow_only=OWN_STEP),
     "built_in_accumulation": Case(_built_in_accumulation, r"gradient_accumulation_steps=2",
                                   keras3=True),
     "sum_with_regularizers": Case(_regularized, r"reduction='sum' adds",
@@ -205,23 +218,28 @@ CASES = {
                                     callback=dict(accumulation_steps={1: 2}, noise_scale=True)),
     "mean_with_a_replicas_share_left_out": Case(
         _mirrored_model, r"cannot weigh", callback=dict(ACCUMULATE, reduction="mean",
-                                                        skip_nonfinite=True)),
+                                                        skip_nonfinite=True),
+        tensorflow_only="two MirroredStrategy replicas and skip_nonfinite (refused on JAX: "
+                        "test_jax.py::test_what_jax_does_not_serve_yet_is_refused_by_name)"),
     "shared_batch_norm": Case(_shared_batch_norm, r"is called 2 times in one train step",
-                              data=lambda: ([make_data(n=16)[0]] * 2, make_data(n=16)[1])),
+                              data=lambda: ([make_data(n=16)[0]] * 2, make_data(n=16)[1]),
+                              tensorflow_only="AccumBatchNormalization (refused on JAX: test_jax.py"
+                                              "::test_tfaccums_batch_normalization_is_refused_by"
+                                              "_name_on_jax)"),
     "count_items_twice": Case(_counted_twice, r"`count_items\(\)` was called 2 times",
                               data=_tokens, keras3=True),
     "window_loss_with_batch_norm": Case(_window_loss_batch_norm, r"cannot meet batch normalization",
-                                        data=_pairs),
+                                        data=_pairs, tensorflow_only=WINDOW_LOSS),
     "window_loss_masked_output": Case(_window_loss_masked, r"has an output with a Keras mask",
-                                      data=_pairs),
+                                      data=_pairs, tensorflow_only=WINDOW_LOSS),
     "window_loss_with_own_losses": Case(
         lambda: _window_loss(regularizer=keras.regularizers.L2(0.1)),
-        r"adds losses of its own", data=_pairs),
+        r"adds losses of its own", data=_pairs, tensorflow_only=WINDOW_LOSS),
     "window_loss_unreplayable_noise": Case(_window_loss_noise, r"cannot draw again",
-                                           data=_pairs, keras3=True),
+                                           data=_pairs, keras3=True, tensorflow_only=WINDOW_LOSS),
     "window_loss_second_layout": Case(
         _window_loss, r"laid out differently", data=_pairs, before=True,
-        fit=dict(sample_weight=np.ones(16, "float32"))),
+        fit=dict(sample_weight=np.ones(16, "float32")), tensorflow_only=WINDOW_LOSS),
 }
 
 
@@ -238,7 +256,8 @@ def _optimizers(model):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.keras3] if case.keras3 else [])
+    pytest.param(name, marks=[pytest.mark.keras3] * case.keras3 + [pytest.mark.backend(
+        "tensorflow", reason=case.tensorflow_only)] * bool(case.tensorflow_only))
     for name, case in CASES.items()])
 def test_after_a_refusal_a_plain_fit_equals_a_model_never_accumulated(name):
     case = CASES[name]
