@@ -33,6 +33,14 @@ PLAIN_SCALAR_TAG = "accumulation/gradient_norm"
 _OPTIONAL = ("noise_scale", "window_loss")
 
 
+def variable_name(variable, model_name):
+    """A variable's name on the dashboard, alike on every backend: its path
+    (Keras 3; tf_keras' name) without the model's name in front."""
+    name = getattr(variable, "path", None) or variable.name.split(":")[0]
+    prefix = model_name + "/"
+    return name[len(prefix):] if model_name and name.startswith(prefix) else name
+
+
 @dataclasses.dataclass
 class UpdateRows:
     """Rows of optimizer updates, on the host.

@@ -10,6 +10,7 @@ writes the rows (one device read for all of them).
 import jax.numpy as jnp
 import numpy as np
 
+from tfaccum import dashboard_writer
 from tfaccum.backend.jax.observers import WindowObserver
 from tfaccum.dashboard_writer import DashboardWriter
 from tfaccum.dashboard_writer import SERIES
@@ -81,7 +82,8 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
     def on_install(self, hook):
         super().on_install(hook)
         if self._variable_names is None:
-            self._variable_names = [v.path for v in hook.model.trainable_variables]
+            self._variable_names = [dashboard_writer.variable_name(v, hook.model.name)
+                                    for v in hook.model.trainable_variables]
 
     def on_uninstall(self, hook):
         self.flush()

@@ -139,7 +139,7 @@ class Update:
             "sum"`), or `None`.
         loss: The window's loss (float64), its micro-batches' losses weighted
             as their gradients: what the large batch's step reports.
-        name_prefix: The model's name and "/", left off variable paths.
+        model_name: The model's name, left off variable paths on the dashboard.
     """
 
     grads: list
@@ -150,7 +150,7 @@ class Update:
     iterations: tf.Tensor
     mean_divisor: object = None
     loss: object = None
-    name_prefix: str = ""
+    model_name: str = ""
 
     @functools.cached_property
     def variable_squared_norms(self):

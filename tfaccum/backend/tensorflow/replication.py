@@ -146,7 +146,7 @@ class OneDevice:
         update = Update(
             grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
             counts=counts, iterations=iterations, mean_divisor=self.state.mean_divisor(window),
-            loss=self.source.loss(prepared, window), name_prefix=self.model.name + "/")
+            loss=self.source.loss(prepared, window), model_name=self.model.name)
         for observer in self.observers_here():
             observer.on_apply(update)
         self._reset(local, window, optimizer_steps=applied, **extra_counts)

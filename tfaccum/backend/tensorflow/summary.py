@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.gradients import unscaled
 from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum import dashboard_writer
 from tfaccum.dashboard_writer import DashboardWriter
 from tfaccum.dashboard_writer import SERIES
 from tfaccum.dashboard_writer import UpdateRows
@@ -82,7 +83,7 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
             self._make_norms([v for _, v in present])
         if self._variable_names is None:
             self._variable_names = [
-                (_variable_name(v, update.name_prefix), self._columns[id(v)])
+                (dashboard_writer.variable_name(v, update.model_name), self._columns[id(v)])
                 for _, v in present
             ]
         squares = [sq for sq in update.variable_squared_norms if sq is not None]
@@ -160,8 +161,3 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
                 stacklevel=3,
             )
         return rows
-
-
-def _variable_name(variable, prefix):
-    name = getattr(variable, "path", None) or variable.name.split(":")[0]
-    return name[len(prefix):] if prefix and name.startswith(prefix) else name
