@@ -29,16 +29,13 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py \
 	tests/test_interrupts.py
 
-# Keras 3 on JAX: its own file, and the files written for both backends that
-# pass there whole (a test only TensorFlow has says so: `backend` marker).
-JAX_TESTS := tests/test_jax.py tests/test_structure.py tests/test_schedule.py tests/test_callback.py tests/test_hook.py \
-	tests/test_summary.py tests/test_degenerate.py tests/test_noise_scale.py tests/test_features_meet.py \
-	tests/test_optimizers.py tests/test_interrupts.py tests/test_reduction.py tests/test_transparency.py
+# Keras 3 on JAX runs the whole suite too: a test of what only TensorFlow
+# serves says so (`backend` marker, with the test of JAX's refusal).
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest $(XDIST) -m "not keras3 and not once" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest $(XDIST) $(JAX_TESTS) $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-oldest
 
 # A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.

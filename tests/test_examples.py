@@ -68,6 +68,8 @@ def test_throughput_benchmark_table():
         assert (verdict.strip() == "within noise") == (p10 <= 1.0 <= p90), name
 
 
+@pytest.mark.backend("tensorflow", reason="times TensorFlow's traced step; JAX's timings are "
+                     "benchmarks/jax_backend.py's")
 def test_step_time_benchmark_table():
     out = run("benchmarks/step_time.py", "--rounds", "3", "--width", "16", "--micro-batch", "4",
               "--steps", "2", "--windows", "1")
@@ -117,6 +119,8 @@ def dashboard_runs(log_dir):
     return {r["run"]: r["updates"] for r in runs}
 
 
+@pytest.mark.backend("tensorflow", reason="tf.distribute's MirroredStrategy; JAX's DataParallel "
+                     "is test_jax.py's")
 def test_distributed_benchmark_counts_reductions():
     out = run("benchmarks/distributed.py", "--rounds", "1", "--samples", "512", "--width", "32")
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
@@ -141,6 +145,10 @@ def benchmark_module(name):
         sys.path.pop(0)
 
 
+STEP_OPS = "counts the operations of TensorFlow's traced micro-step"
+
+
+@pytest.mark.backend("tensorflow", reason=STEP_OPS)
 def test_item_counting_adds_only_its_count_to_a_per_sample_losss_micro_step():
     """benchmarks/step_ops.py's counts (in this process: a trace each, no training)."""
     step_ops = benchmark_module("step_ops")
@@ -155,6 +163,7 @@ def test_item_counting_adds_only_its_count_to_a_per_sample_losss_micro_step():
     assert per_step["no-noise"] < per_step["tfaccum"] < per_step["plain"], per_step
 
 
+@pytest.mark.backend("tensorflow", reason=STEP_OPS)
 @pytest.mark.parametrize("variant", ["tfaccum", "samples"])
 def test_the_noise_scale_adds_its_norm_and_one_update_to_a_micro_step(variant):
     """What the noise scale costs a per-sample loss's micro-step, op by op."""

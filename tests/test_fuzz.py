@@ -21,17 +21,18 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import HealthCheck
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from reference import BACKEND
 from reference import all_finite
 from reference import fit_accumulated
 from reference import keras
 from reference import largest_update_diff
 from reference import micro_batches
+from reference import ops
 from reference import train_large_batches
 from reference import windows
 
@@ -51,11 +52,11 @@ class CountedTokenLoss(keras.losses.Loss):
         self.k = k
 
     def call(self, y_true, y_pred):
-        valid = tf.cast(y_true >= 0, tf.float32)  # padding is labelled -1
+        valid = ops.cast(y_true >= 0, "float32")  # padding is labelled -1
         per_token = keras.losses.sparse_categorical_crossentropy(
-            tf.maximum(y_true, 0), y_pred, from_logits=True) * valid
-        items = tfaccum.count_items(self.k * tf.reduce_sum(valid))
-        return tf.math.divide_no_nan(self.k * tf.reduce_sum(per_token), items)
+            ops.maximum(y_true, 0), y_pred, from_logits=True) * valid
+        items = tfaccum.count_items(self.k * ops.sum(valid))
+        return ops.divide_no_nan(self.k * ops.sum(per_token), items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,9 @@ def cases(draw):
         class_weight = tuple(draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=CLASSES,
                                            max_size=CLASSES)))
     poisoned = frozenset()
-    skip_nonfinite = draw(st.sampled_from([None, True]))
+    # Skipping non-finite micro-batches is TensorFlow's (refused on JAX:
+    # test_jax.py::test_what_jax_does_not_serve_yet_is_refused_by_name).
+    skip_nonfinite = draw(st.sampled_from([None, True] if BACKEND == "tensorflow" else [None]))
     if skip_nonfinite:
         poisoned = frozenset(draw(st.sets(st.integers(0, count - 1), max_size=2)))
         for index in poisoned:  # the NaN goes to an unmasked token
@@ -219,6 +222,11 @@ def expected_counts(case):
 def check(case):
     x, y = data(case)
     sample_weight = None if case.sample_weight is None else np.array(case.sample_weight, "float32")
+    if sample_weight is not None and case.head == "tokens" and BACKEND == "jax":
+        # Keras on JAX does not broadcast a weight per sample over a mask per
+        # token (its `apply_mask` fails, plain Keras included): the same
+        # weights, given per token.
+        sample_weight = np.repeat(sample_weight[:, None], T, axis=1)
     class_weight = None if case.class_weight is None else dict(enumerate(case.class_weight))
     left_out = {(epoch, index) for epoch in range(case.epochs) for index in case.poisoned}
     updates = windows(case.n, case.micro, case.steps, case.epochs, case.leftover, left_out)

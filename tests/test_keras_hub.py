@@ -9,6 +9,7 @@ and the trained task saved and loaded back.
 import keras
 import keras_hub
 import numpy as np
+import pytest
 
 from reference import max_weight_diff
 from reference import read_run
@@ -135,6 +136,9 @@ def stem_batch_norm(model):
                 if layer.name == "conv1_bn")
 
 
+@pytest.mark.backend("tensorflow", reason="convert_batch_norm's layers (refused by name on JAX: "
+                     "test_jax.py::test_converted_batch_normalization_in_a_nested_model_is_"
+                     "refused_by_name_on_jax)")
 def test_resnet_image_classifier_through_convert_batch_norm(tmp_path, capsys):
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 255, size=(16, 16, 16, 3)).astype("float32")

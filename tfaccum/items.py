@@ -112,15 +112,15 @@ def check_number(items):
     if isinstance(items, (bool, np.bool_)) or not isinstance(items, numbers.Real):
         refuse(TypeError, "a whole number (a Python or NumPy number, or a scalar tensor)", items)
     value = float(items)
-    problems = dict(RUN_TIME_CHECKS)
+    # The texts of RUN_TIME_CHECKS, written out so that the refusals page finds them.
     if value != value or value in (float("inf"), float("-inf")):
-        refuse(ValueError, problems["finite"], items)
+        refuse(ValueError, "a finite number", items)
     if value < 0:
-        refuse(ValueError, problems["non_negative"], items)
+        refuse(ValueError, "a count >= 0", items)
     if value != int(value):
-        refuse(ValueError, problems["whole"], items)
+        refuse(ValueError, "a whole number", items)
     if int(items) > MAX_ITEMS:
-        refuse(ValueError, problems["at_most"], items)
+        refuse(ValueError, f"at most {MAX_ITEMS} (2**40) items", items)
 
 
 def check_traced(items, *, dtype_name, is_number, shape):
