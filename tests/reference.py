@@ -304,7 +304,13 @@ def train_large_batches(model, x, y, updates, sample_weight=None, class_weight=N
     if model.built:
         # Made now rather than in the first trace, which then happens once
         # (a step that makes variables traces twice); nothing else changes.
-        _keras.api_for(model).build_optimizer(model.optimizer, model.trainable_variables)
+        if BACKEND == "tensorflow":  # tf_keras' legacy optimizers build otherwise
+            from tfaccum.backend.tensorflow import _keras_on_tf
+
+            _keras_on_tf.api_for(model).build_optimizer(model.optimizer,
+                                                        model.trainable_variables)
+        elif not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
     weights = []
     for indices in updates:
         indices = np.asarray(indices)

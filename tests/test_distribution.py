@@ -307,7 +307,7 @@ def test_a_window_left_out_on_every_replica_makes_no_update():
 
 @pytest.mark.keras3
 def test_an_optimizer_without_keras_reduction_is_refused_by_name():
-    from tfaccum import _keras
+    from tfaccum.backend.tensorflow import _keras_on_tf
 
     class Unknown:
         pass
@@ -315,7 +315,7 @@ def test_an_optimizer_without_keras_reduction_is_refused_by_name():
     with pytest.raises(RuntimeError, match=(
             r"This Keras version's optimizer has no `_all_reduce_sum_gradients`; tfaccum "
             r"cannot apply a window across replicas with it. Received: Unknown from Keras 3\.")):
-        with _keras.Keras3.own_reduction_off(Unknown()):
+        with _keras_on_tf.Keras3OnTf.own_reduction_off(Unknown()):
             pass
 
 

@@ -3,11 +3,12 @@
 The package re-exports, for `_keras.name`, what its modules hold: `api`
 (`api_for(model)`: which Keras, and whether its backend is served), `keras3`
 (the `Keras3` object: every way Keras 3 differs from tf_keras, as methods),
-`models` (what both read alike of a model, its optimizers and its `fit`) and
-`window_loss` (gradient caching's view of a model). None of them imports
-TensorFlow: what only TensorFlow's side needs (tf_keras' `TfKeras`, losses,
-distribution, batch normalization, multi-worker) is in
-`tfaccum.backend.tensorflow._keras_on_tf`, which re-exports this package too.
+`models` (what both read alike of a model, its optimizers and its `fit`).
+None of them imports TensorFlow: what only TensorFlow's side reads (Keras 3's
+optimizer methods, losses and seeds in `Keras3OnTf`, tf_keras' `TfKeras`,
+gradient caching's view of the step, distribution, batch normalization,
+multi-worker) is in `tfaccum.backend.tensorflow._keras_on_tf`, which
+re-exports this package too.
 
 tfaccum serves Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+) and Keras 2
 (`tf_keras`, or `tf.keras` with `TF_USE_LEGACY_KERAS=1`) from one
@@ -31,35 +32,23 @@ from tfaccum._keras.api import (  # noqa: F401
 )
 from tfaccum._keras.models import (  # noqa: F401
     Callback,
-    compile_config,
     compiled_with_optimizer,
-    embedding_tables,
     fit_callback_list,
     fit_is_running,
     flatten_layers,
-    forget_traced_functions,
     is_model,
     is_tf_keras_model,
     iterations,
     metrics_given,
     optimizer_variables,
     orbax_checkpoint_class,
-    other_optimizers,
     print_msg,
     regularized_variables,
     scales_loss_dynamically,
-    stateful_variables,
-    trains_with_keras_step,
     unpack_x_y_sample_weight,
 )
 from tfaccum._keras.keras3 import (  # noqa: F401
     Keras3,
-)
-from tfaccum._keras.window_loss import (  # noqa: F401
-    computes_loss_as_keras,
-    metrics_result,
-    scaled_loss,
-    training_forward,
 )
 
 __all__ = [
@@ -68,29 +57,19 @@ __all__ = [
     "check_backend",
     "SUPPORTED_BACKENDS",
     "Callback",
-    "compile_config",
     "compiled_with_optimizer",
-    "embedding_tables",
     "fit_callback_list",
     "fit_is_running",
     "flatten_layers",
-    "forget_traced_functions",
     "is_model",
     "is_tf_keras_model",
     "iterations",
     "metrics_given",
     "optimizer_variables",
     "orbax_checkpoint_class",
-    "other_optimizers",
     "print_msg",
     "regularized_variables",
     "scales_loss_dynamically",
-    "stateful_variables",
-    "trains_with_keras_step",
     "unpack_x_y_sample_weight",
     "Keras3",
-    "computes_loss_as_keras",
-    "metrics_result",
-    "scaled_loss",
-    "training_forward",
 ]

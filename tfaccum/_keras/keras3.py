@@ -4,81 +4,29 @@
 difference; nothing outside the two asks which Keras a model belongs to.
 """
 
-import contextlib
-
 import keras
 
 from tfaccum._keras.models import compiled_with_optimizer
-from tfaccum._keras.models import flatten_layers
-from tfaccum._keras.models import metrics_given
 from tfaccum._keras.models import regularized_variables
-from tfaccum._keras.models import scales_loss_dynamically
 
 
 class Keras3:
-    """Keras 3: `train_step` calls `optimizer.scale_loss()` and `optimizer.apply()`."""
+    """Keras 3 (`keras`, `tf.keras` in TensorFlow 2.16+), as every backend reads it.
 
-    # Gradient caching: the window's outputs gathered across replicas, and a
-    # window-wide loss under a LossScaleOptimizer.
-    gathers_across_replicas = True
-    caches_under_loss_scaling = True
-    # The optimizer method a train step hands its gradients to.
-    apply_method = "apply"
-    # Whether the sample weighting can ride on `optimizer.scale_loss()`.
-    scales_loss_in_step = True
-    # The optimizer method the step's loss passes through.
-    loss_method = "scale_loss"
+    What only the TensorFlow backend reads of it (the optimizer's `apply`
+    and `scale_loss`, loss scaling, compiled losses, seeds) is
+    `tfaccum.backend.tensorflow._keras_on_tf.Keras3OnTf`, a subclass.
+    """
 
     @staticmethod
     def is_compiled(model):
         return compiled_with_optimizer(model, "compiled")
 
+
     @staticmethod
     def steps_per_execution(model):
         return int(model.steps_per_execution)
 
-    @staticmethod
-    def apply_arguments(grads, trainable_variables=None):
-        """`(grads, variables)` from the patched `apply`'s arguments."""
-        return list(grads), trainable_variables
-
-    @staticmethod
-    def apply(apply, grads, variables, reduced=False):
-        """Calls `apply`, the optimizer's own (unpatched) `apply` method.
-
-        `reduced`: the gradients are already summed over replicas
-        (`all_reduce_sum`), inside `own_reduction_off`.
-        """
-        apply(grads, variables)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def own_reduction_off(optimizer):
-        """Switches off the optimizer's all-reduce, in the cross-replica context.
-
-        Keras 3 clips each replica's gradients before summing them; reduced
-        by `all_reduce_sum` first, they are clipped as on one device, and
-        cross devices once. Private: `_all_reduce_sum_gradients` of the
-        TensorFlow optimizer (Keras 3.7-3.15).
-        """
-        target = getattr(optimizer, "inner_optimizer", None) or optimizer
-        if not hasattr(target, "_all_reduce_sum_gradients"):
-            raise RuntimeError(
-                "This Keras version's optimizer has no `_all_reduce_sum_gradients`; "
-                "tfaccum cannot apply a window across replicas with it. Received: "
-                f"{type(target).__name__} from Keras {keras.__version__}"
-            )
-        target.__dict__["_all_reduce_sum_gradients"] = list
-        try:
-            yield
-        finally:
-            del target.__dict__["_all_reduce_sum_gradients"]
-
-    @staticmethod
-    def build_optimizer(optimizer, variables):
-        if not optimizer.built:
-            optimizer.build(variables)
-            optimizer.built = True
 
     @staticmethod
     def built_in_accumulation_steps(optimizer):
@@ -92,120 +40,15 @@ class Keras3:
             steps = getattr(inner, "gradient_accumulation_steps", None)
         return steps or None
 
-    @staticmethod
-    def loss_scale(optimizer):
-        """What the gradients the optimizer receives are multiplied by now.
-
-        A float32 tensor read when called, or `None` when they are not scaled.
-        """
-        if scales_loss_dynamically(optimizer):
-            return keras.ops.cast(optimizer.dynamic_scale.value, "float32")
-        factor = getattr(optimizer, "loss_scale_factor", None)
-        return None if factor is None else keras.ops.convert_to_tensor(factor, "float32")
-
-    @staticmethod
-    def count_skipped_update(optimizer):
-        """A skipped (all non-finite) update is not counted in Keras 3."""
-
-    @staticmethod
-    def lower_loss_scale(optimizer):
-        """Halves a dynamic loss scale after a non-finite step, as Keras does.
-
-        Returns the factor to multiply the (scaled) accumulated gradients by.
-        """
-        optimizer.step_counter.assign(0)
-        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
-        return 0.5
 
     @staticmethod
     def backend():
         """The backend this Keras runs on."""
         return keras.backend.backend()
 
-    # -- what a model holds ---------------------------------------------------------
-
-    @staticmethod
-    def loss_container(model):
-        """The object holding the compiled losses (`Trainer._compile_loss`, a
-        `CompileLoss`, private, 3.7-3.15), or `None`; built (its losses resolved
-        per output) before the first step under a strategy, else while it traces."""
-        return getattr(model, "_compile_loss", None)
-
-    @staticmethod
-    def replica_loss_share(model):
-        """What Keras multiplies each replica's loss by under the model's strategy.
-
-        1 / replicas: the replicas' gradients are then summed. Releases without
-        `scale_loss_for_distribution` (3.7 among those tested) do not divide:
-        each replica's mean loss counts whole. Private:
-        `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.15).
-        """
-        from keras.src.losses import loss as keras_loss
-
-        if not hasattr(keras_loss, "scale_loss_for_distribution"):
-            return 1.0
-        return 1.0 / model.distribute_strategy.num_replicas_in_sync
 
     @staticmethod
     def regularized_weights(model):
         """Names of the trainable weights that carry a weight regularizer
         (`Variable.regularizer`, public, 3.7-3.15)."""
         return regularized_variables(model)
-
-    @staticmethod
-    def has_compiled_metrics(model):
-        """Whether `compile` was given `metrics=` or `weighted_metrics=`
-        (`Trainer._compile_metrics`, private, 3.7-3.15)."""
-        return metrics_given(getattr(model, "_compile_metrics", None))
-
-    # -- gradient caching -------------------------------------------------------------
-
-    @staticmethod
-    def seed_states(model):
-        """The state variables of the seed generators `model`'s layers draw from.
-
-        A layer that draws random numbers (`Dropout`, `GaussianNoise`, ...)
-        draws them from a `SeedGenerator` whose state moves at every draw: set
-        back, a forward pass draws the same masks again. Private:
-        `Layer._seed_generators` and `SeedGenerator.state` (Keras 3.7-3.15).
-        """
-        states, seen = [], set()
-        for layer in [model] + flatten_layers(model):
-            for generator in getattr(layer, "_seed_generators", ()):
-                state = generator.state
-                if id(state) not in seen:
-                    seen.add(id(state))
-                    states.append(state)
-        return states
-
-    @staticmethod
-    def global_seed_states():
-        """`[state]` of Keras' global seed generator, made now if it is not yet.
-
-        `keras.random.*` called without a seed draws from it (and moves it):
-        set back, a forward pass draws the same numbers again. Call it
-        eagerly, so that no step makes it while it traces. Private:
-        `keras.src.random.seed_generator.global_seed_generator` (Keras 3.7-3.15).
-        """
-        from keras.src.random.seed_generator import global_seed_generator
-
-        return [global_seed_generator().state]
-
-    @staticmethod
-    def random_layers(model):
-        """Layers whose draws cannot be replayed: none (they draw from seed generators)."""
-        return []
-
-    @staticmethod
-    def compiled_loss(model, y, y_pred, sample_weight):
-        """The compiled loss of a whole window: `Trainer._compute_loss` (private,
-        3.7-3.15), which divides by the replicas under a strategy and updates no
-        metric (`track_loss` does)."""
-        return model._compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=True)
-
-    @staticmethod
-    def track_loss(model, loss, samples):
-        """Adds a window's loss to the logs' `loss`, weighted by its samples, as
-        Keras' own step updates its tracker (`Trainer._loss_tracker`, private, 3.7-3.15)."""
-        model._loss_tracker.update_state(loss, sample_weight=samples)

@@ -79,6 +79,7 @@ class AccumulationHook(HookFront):
     """
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
+        api = _keras_on_tf.api_for(model)  # the core's, with what only TensorFlow reads
         optimizer = model.optimizer
         self.model = model
         self.observers = list(observers)
@@ -89,7 +90,7 @@ class AccumulationHook(HookFront):
         self.skip_nonfinite = configuration.skips_nonfinite(
             _keras_on_tf.scales_loss_dynamically(optimizer))
         self.reduction.check(model)
-        loss_share = _keras_on_tf.api_for(model).replica_loss_share(model)
+        loss_share = api.replica_loss_share(model)
         # Rows cannot be kept under XLA (fixed shapes): dense, with a warning.
         sparse_rows = configuration.sparse_rows and not model.jit_compile
         self.state = WindowState(strategy, self.reduction, loss_share=loss_share,

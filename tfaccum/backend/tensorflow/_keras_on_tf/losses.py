@@ -4,7 +4,7 @@ import sys
 
 import tensorflow as tf
 
-from tfaccum._keras.api import api_for
+from tfaccum.backend.tensorflow._keras_on_tf.keras3_on_tf import api_for
 
 
 # Reductions that divide by the number of (unmasked) elements; tf_keras'

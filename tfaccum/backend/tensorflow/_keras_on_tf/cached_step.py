@@ -1,4 +1,5 @@
-"""Gradient caching's view of Keras alike on both versions (the rest: `Keras3`, `TfKeras`)."""
+"""Gradient caching's view of Keras' step, alike on both versions (the rest:
+`Keras3OnTf`, `TfKeras`)."""
 
 
 def computes_loss_as_keras(model):
