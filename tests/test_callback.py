@@ -93,6 +93,7 @@ def test_compile_modes(compile_kwargs):
     pair = fit_pair(optimizer="adam", compile_kwargs=compile_kwargs)
     assert pair.diff < TOL
     assert pair.callback.optimizer_steps == 12
+    assert pair.callback.micro_steps == 39  # micro-batches, not executions
 
 
 def test_dataset_of_unknown_length():
@@ -181,6 +182,7 @@ def test_leftover_drop():
     callback, model = pair.callback, pair.model
     assert callback.dropped_micro_steps == EPOCHS
     assert callback.flushes == 0
+    assert callback.micro_steps == 13 * EPOCHS
     assert callback.optimizer_steps == 3 * EPOCHS == int(model.optimizer.iterations)
 
 
@@ -193,6 +195,7 @@ def test_leftover_carry_windows_span_epochs():
     assert callback.micro_steps == 39
     assert callback.optimizer_steps == 10
     assert callback.flushes == 1  # only at the end of fit
+    assert callback.dropped_micro_steps == 0
 
 
 def test_learning_rate_schedule_sees_updates():

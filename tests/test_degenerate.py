@@ -18,6 +18,7 @@ from reference import windows
 from reference import read_run
 from test_summary import values
 
+import reference as oracle
 import tfaccum
 
 TOL = 1e-5
@@ -74,6 +75,7 @@ def test_a_fully_masked_partial_window_flushed_at_the_epoch_end():
     diff, callback = compare(lambda: token_model("adam", "l2"), x, y, epochs=2)
     assert diff < TOL
     assert callback.flushes == 2
+    assert callback.items == 2 * int(np.sum(x != 0))  # the masked micro-batches count none
 
 
 def test_masked_micro_batches_before_and_after_unmasked_ones():
@@ -125,3 +127,37 @@ def test_two_replicas_whose_shares_count_nothing():
         ours, _ = fit_accumulated(model, x, y, micro=4, steps=4)
     assert all(all_finite(w) for w in ours)
     assert largest_update_diff(ours, theirs) < TOL
+
+
+def test_a_one_sample_micro_batch_and_one_of_zero_weights():
+    # 33 samples in micro-batches of 8: the last holds one sample; the
+    # second's sample weights are all zero.
+    x, y = oracle.make_data(n=33)
+    weights = np.ones(33, "float32")
+    weights[8:16] = 0.0
+
+    def build():
+        return oracle.make_model(optimizer="adam")
+
+    result = oracle.compare(build, x, y, micro=8, steps=3, epochs=2, sample_weight=weights)
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-2
+
+
+def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch():
+    # Without skip_nonfinite the NaN reaches the update where the large
+    # batch's does, and nowhere else. (Under DataParallel: test_jax.py.)
+    x, y = oracle.make_data(n=48)
+    x[29, 2] = np.nan  # the second window's second micro-batch
+
+    def build():
+        return oracle.make_model(optimizer="sgd")
+
+    result = oracle.compare(build, x, y, micro=8, steps=3)
+    assert len(result.ours) == len(result.theirs) == 2
+    for ours, theirs in zip(result.ours, result.theirs):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, equal_nan=True)
+    assert all_finite(result.ours[0])
+    assert not all_finite(result.ours[1])

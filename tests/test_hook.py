@@ -148,6 +148,25 @@ def test_model_is_plain_after_fit(tmp_path):
     assert int(model.optimizer.iterations) - before == 13
 
 
+@pytest.mark.keras3  # tf_keras' optimizer `variables` is a method
+def test_after_fit_a_plain_fit_equals_plain_keras_from_the_same_state():
+    # The optimizer holds its own variables only (no accumulator left in it),
+    # and goes on from them as plain Keras does.
+    x, y = make_data(n=64)
+    model = make_model(optimizer="adam")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
+    plain = make_model(optimizer="adam")
+    plain.set_weights(model.get_weights())
+    plain.optimizer.build(plain.trainable_variables)
+    assert len(plain.optimizer.variables) == len(model.optimizer.variables)
+    for variable, value in zip(plain.optimizer.variables, model.optimizer.variables):
+        variable.assign(np.array(value))  # a copy: JAX's `fit` donates the model's arrays
+    for m in (model, plain):
+        m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_weight_diff(model, plain) < 1e-6
+
+
 def test_hook_is_removed_when_fit_is_interrupted_and_refit():
     x, y = make_data()
     model = make_model(optimizer="sgd")
@@ -270,6 +289,8 @@ def test_repr():
     hook = install_accumulation_hook(make_model(), accumulation_steps=3, reduction="mean")
     assert repr(hook).startswith("AccumulationHook(model='sequential")
     assert "accumulation_steps=3, reduction='mean', installed=True, micro_steps=0" in repr(hook)
+    # JAX's says which backend it runs on (TensorFlow's is the default).
+    assert ("backend='jax'" in repr(hook)) == (oracle.BACKEND == "jax")
 
 
 class TwoOptimizerModel(keras.Model):

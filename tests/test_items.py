@@ -102,6 +102,7 @@ def test_ignore_class():
     tokens, _, ignored, _ = sequences()
     results = compare(lambda: sequence_model(mask_zero=False, ignore_class=-100), tokens, ignored)
     assert results["auto"] < TOL and results["samples"] > 1e-3
+    assert results["auto-callback"].items == 2 * int((ignored != -100).sum())  # 2 epochs
 
 
 @pytest.mark.once
@@ -201,6 +202,7 @@ def test_custom_loss_says_what_it_averages_over(counted):
     results = compare(build, tokens, ignored)
     if counted:
         assert results["auto"] < TOL
+        assert results["auto-callback"].items == 2 * int((ignored >= 0).sum())  # 2 epochs
     else:
         # A loss that divides by its own count without saying so is weighted
         # by samples: measurably not the large batch (and warned about).
@@ -496,5 +498,6 @@ def test_count_items_refuses_what_is_no_count_while_tracing(count, error, messag
 
 
 def test_count_items_once_per_step():
-    with pytest.raises(ValueError, match=r"count_items\(\)` was called 2 times"):
+    with pytest.raises(ValueError, match=r"count_items\(\)` was called 2 times in one step; "
+                       r"the window weights each micro-batch by one count"):
         fit_counted(lambda n: n, twice=True)

@@ -1,19 +1,17 @@
-"""The callback on Keras 3's JAX backend, against plain Keras on JAX at the large batch.
+"""What only the JAX backend has: its refusals by name, `DataParallel`, its estimator's
+and dashboard's exact oracles in jax.numpy.
 
-Runs in the suite's JAX pass (`KERAS_BACKEND=jax`, `make test`); conftest.py
-leaves it out of the TensorFlow passes. Every comparison is update for
+Every behaviour both backends share is tested once, in the suite's other files,
+which the JAX pass runs too (`KERAS_BACKEND=jax`, `make test`); conftest.py
+leaves this file out of the TensorFlow passes. Every comparison is update for
 update, through the shared oracle (`reference.compare`).
 """
 
-import re
 import sys
-import warnings
 
 import numpy as np
 import pytest
 
-from reference import OPTIMIZERS
-from reference import compare
 from reference import keras
 from reference import make_data
 from reference import make_model
@@ -28,111 +26,6 @@ TOL = 1e-5
 
 def model_builder(optimizer="adam", **compile_kwargs):
     return lambda: make_model(optimizer=optimizer, **compile_kwargs)
-
-
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_every_update_equals_the_large_batch(optimizer):
-    # 100 samples in micro-batches of 8: the last one holds 4, and each
-    # epoch's last window two micro-batches (flushed).
-    x, y = make_data(n=100)
-    result = compare(model_builder(optimizer), x, y, micro=8, steps=4, epochs=2)
-    assert len(result.ours) == 8
-    assert result.diff < TOL
-    assert result.moved(model_builder(optimizer)) > 1e-2
-
-
-@pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
-                                      {"clipvalue": 0.01}])
-def test_clipping_acts_on_the_windows_gradient(clipping):
-    # Tight enough that every update is clipped: a clip per micro-batch would differ.
-    build = model_builder(lambda: keras.optimizers.Adam(0.01, **clipping))
-    x, y = make_data(n=64)
-    result = compare(build, x, y, micro=8, steps=4, epochs=2)
-    assert result.diff < TOL
-    assert result.moved(build) > 1e-2
-
-
-def test_sample_weights_weigh_as_in_the_large_batch():
-    x, y = make_data(n=60)
-    weights = np.random.default_rng(3).uniform(0.0, 2.0, size=60).astype("float32")
-    result = compare(model_builder(), x, y, micro=8, steps=3, sample_weight=weights)
-    assert result.diff < TOL
-    assert result.moved(model_builder()) > 1e-2
-
-
-@pytest.mark.parametrize("leftover", ["flush", "carry", "drop"])
-def test_each_leftover_policy(leftover):
-    x, y = make_data(n=56)  # 7 micro-batches: windows of 3, 3 and a leftover of 1
-    result = compare(model_builder(), x, y, micro=8, steps=3, epochs=2, leftover=leftover)
-    assert result.diff < TOL
-    counters = result.callback.counters
-    assert counters.micro_steps == 14
-    assert counters.optimizer_steps == len(result.updates)
-    # "carry": 14 micro-batches make 4 windows, and 2 left for `fit`'s end.
-    assert counters.flushes == {"flush": 2, "carry": 1, "drop": 0}[leftover]
-    assert counters.dropped_micro_steps == (2 if leftover == "drop" else 0)
-
-
-@pytest.mark.parametrize("reduction", ["samples", "mean", "sum"])
-def test_reductions(reduction):
-    # Equal micro-batches: "mean" is the large batch; "sum" with a summed loss too.
-    x, y = make_data(n=64)
-    loss = keras.losses.MeanSquaredError(reduction="sum") if reduction == "sum" else "mse"
-    build = model_builder("sgd", loss=loss)
-    result = compare(build, x, y, micro=8, steps=4, callback_kwargs={"reduction": reduction})
-    assert result.diff < TOL
-    assert result.moved(build) > 1e-3
-
-
-def test_learning_rate_schedules_and_iterations_count_updates():
-    def build():
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1,
-                                                               decay_rate=0.5)
-        return make_model(optimizer=lambda: keras.optimizers.SGD(schedule))
-
-    x, y = make_data(n=64)
-    result = compare(build, x, y, micro=8, steps=4, epochs=2)
-    assert result.diff < TOL
-    assert int(result.model.optimizer.iterations.numpy()) == 4
-
-
-def test_steps_per_execution():
-    x, y = make_data(n=100)
-    build = model_builder(steps_per_execution=3)
-    result = compare(build, x, y, micro=8, steps=4, epochs=2, build_reference=model_builder())
-    assert result.diff < TOL
-    assert result.callback.counters.micro_steps == 26
-
-
-def test_the_hook_by_hand_with_train_on_batch():
-    x, y = make_data(n=48)
-    model = make_model(optimizer="adam")
-    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
-    assert "backend='jax'" in repr(hook)
-    for start in range(0, 48, 8):
-        model.train_on_batch(x[start:start + 8], y[start:start + 8])
-    assert hook.pending.micro_batches == 2
-    hook.flush()
-    hook.remove()
-    reference = train_large_batches(make_model(optimizer="adam"), x, y, windows(48, 8, 4))
-    assert max_diff(model, reference[-1]) < TOL
-    assert tfaccum.remove_accumulation_hook(model) is None
-
-
-def test_afterwards_the_model_is_plain():
-    x, y = make_data(n=64)
-    model = make_model(optimizer="adam")
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
-              callbacks=[tfaccum.GradientAccumulationCallback(accumulation_steps=4)])
-    plain = make_model(optimizer="adam")
-    plain.set_weights(model.get_weights())
-    plain.optimizer.build(plain.trainable_variables)
-    assert len(plain.optimizer.variables) == len(model.optimizer.variables)
-    for variable, value in zip(plain.optimizer.variables, model.optimizer.variables):
-        variable.assign(np.array(value))  # a copy: `fit` donates the model's arrays
-    for m in (model, plain):
-        m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    assert max_diff(model, plain) < 1e-6
 
 
 def never_handed(build, x, y):
@@ -183,18 +76,6 @@ def test_a_window_wide_loss_is_refused_by_name_when_made(make, monkeypatch):
         make()
 
 
-def masked_sequence_model(loss=None):
-    keras.utils.set_random_seed(4)
-    model = keras.Sequential([
-        keras.Input((6,), dtype="int32"),
-        keras.layers.Embedding(10, 4, mask_zero=True),
-        keras.layers.Dense(3),
-    ])
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
 def sequences(n=40):
     """Sequences padded to different lengths (1 to 6 tokens): micro-batches count
     different numbers of tokens."""
@@ -203,29 +84,6 @@ def sequences(n=40):
     lengths = rng.integers(1, 7, size=n)
     x[np.arange(6)[None, :] >= lengths[:, None]] = 0
     return x, rng.integers(0, 3, size=(n, 6)).astype("int32")
-
-
-def test_masked_tokens_weigh_as_in_the_large_batch():
-    x, y = sequences()
-    result = compare(masked_sequence_model, x, y, micro=4, steps=3, epochs=2)
-    assert result.diff < TOL
-    assert result.moved(masked_sequence_model) > 1e-2
-    assert result.callback.counters.items == 2 * int(np.sum(x != 0))
-    assert result.callback.counters.samples == 80
-    by_samples = compare(masked_sequence_model, x, y, micro=4, steps=3, epochs=2,
-                         callback_kwargs={"reduction": "samples"})
-    assert by_samples.diff > 1e-4  # weighting by tokens is what makes it exact
-
-
-def test_ignore_class_counts_the_tokens_left():
-    def build():
-        return masked_sequence_model(keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, ignore_class=0))
-
-    x, y = sequences()
-    result = compare(build, x, y, micro=4, steps=3)
-    assert result.diff < TOL
-    assert result.callback.counters.items == int(np.sum((x != 0) & (y != 0)))
 
 
 def test_several_masked_outputs_are_refused_by_name_and_undone():
@@ -275,13 +133,6 @@ def test_the_noise_scale_is_estimated_from_each_window_as_on_tensorflow():
         trace = smoothed(trace, window_trace, first, np)
     assert callback.noise_scale == pytest.approx(trace / gradient_square, rel=1e-4)
     assert callback.suggested_accumulation_steps >= 1
-
-
-def test_the_noise_scale_is_off_for_windows_of_one():
-    x, y = make_data(n=32)
-    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=1)
-    make_model().fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
-    assert callback.estimator is None and callback.noise_scale is None
 
 
 def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
@@ -374,114 +225,6 @@ def test_converted_batch_normalization_in_a_nested_model_is_refused_by_name_on_j
     refused_then_plain(build, x, y, "AccumBatchNormalization")
 
 
-def test_a_keras_hub_gpt2_causal_lm_on_raw_strings_with_adamw(tmp_path):
-    from test_keras_hub import gpt2_causal_lm
-    from test_keras_hub import sentences
-
-    from reference import read_run
-    from tfaccum import dashboard_schema
-
-    texts = sentences()  # 40: windows of 4 x 4, the last one partial and flushed
-    reference = gpt2_causal_lm()
-    reference.fit(texts, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model = gpt2_causal_lm()
-    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4,
-                                                    log_dir=str(tmp_path / "logs"))
-    model.fit(texts, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
-    assert max_diff(model, reference) < TOL
-    assert max_diff(model, gpt2_causal_lm()) > 1e-3
-    assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
-    assert callback.optimizer_steps == int(reference.optimizer.iterations.numpy())
-    series, _ = read_run(str(tmp_path / "logs"))
-    applied = series[dashboard_schema.TAG_PREFIX + "applied_gradient_norm"]
-    assert [step for step, _ in applied] == list(range(1, 7))
-
-
-class TokenMeanLoss(keras.losses.Loss):
-    """A per-token mean over labels >= 0, which says its count (as Hugging Face's
-    `num_items_in_batch`)."""
-
-    def call(self, y_true, y_pred):
-        ops = keras.ops
-        valid = ops.cast(y_true >= 0, "float32")
-        per_token = keras.losses.sparse_categorical_crossentropy(
-            ops.maximum(y_true, 0), y_pred, from_logits=True) * valid
-        items = tfaccum.count_items(ops.sum(valid))
-        return ops.divide_no_nan(ops.sum(per_token), items)  # one value: the token mean
-
-
-def test_count_items_in_a_custom_loss():
-    def build():
-        keras.utils.set_random_seed(4)
-        model = keras.Sequential([keras.Input((6,), dtype="int32"),
-                                  keras.layers.Embedding(10, 4), keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=TokenMeanLoss(reduction="sum"))  # its one value as it is
-        return model
-
-    x, y = sequences()
-    y = np.where(x == 0, -1, y)  # padding is labelled -1
-    result = compare(build, x, y, micro=4, steps=3)
-    assert result.diff < TOL
-    assert result.callback.counters.items == int(np.sum(y >= 0))
-
-
-@pytest.mark.parametrize("items, error, received", [
-    (True, TypeError, "True"), ("4", TypeError, "'4'"), (-4, ValueError, "-4"),
-    (2.5, ValueError, "2.5"), (float("nan"), ValueError, "nan"), (2**62, ValueError, str(2**62))])
-def test_count_items_refuses_what_is_no_count(items, error, received):
-    # Checked on the host, as on TensorFlow (it passed silently on JAX).
-    with pytest.raises(error, match=r"`count_items\(\)`.*Received: items=" + re.escape(received)):
-        tfaccum.count_items(items)
-
-
-def test_count_items_once_per_step_leaves_a_plain_model():
-    class TwiceCounted(TokenMeanLoss):
-        def call(self, y_true, y_pred):
-            tfaccum.count_items(3)
-            return super().call(y_true, y_pred)
-
-    keras.utils.set_random_seed(4)
-    model = keras.Sequential([keras.Input((6,), dtype="int32"),
-                              keras.layers.Embedding(10, 4), keras.layers.Dense(3)])
-    model.compile(optimizer="sgd", loss=TwiceCounted(reduction="sum"))
-    x, y = sequences()
-    before = [np.array(w) for w in model.get_weights()]
-    with pytest.raises(ValueError, match=r"`count_items\(\)` was called 2 times in one step; "
-                       r"the window weights each micro-batch by one count"):
-        model.fit(x, y, batch_size=4, verbose=0,
-                  callbacks=[tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
-    assert tfaccum.AccumulationHook.installed_on(model) is None
-    assert max_diff(model.get_weights(), before) == 0.0
-
-
-def test_mixed_bfloat16_is_close_to_the_large_batch():
-    # bfloat16 forward passes round differently per batch shape (8 bits of
-    # mantissa): on TensorFlow one device accumulating is 7.7e-4 from its large batch.
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        x, y = make_data()
-        result = compare(model_builder(), x, y, micro=8, steps=4, epochs=2)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    assert result.diff < 2e-3
-    assert result.moved(model_builder()) > 1e-2
-
-
-def test_a_reduction_that_fails_at_the_first_window_end_leaves_a_plain_model():
-    class Failing(tfaccum.Reduction):
-        name = "failing"
-
-        def weight(self, samples, items, open_window):
-            return samples
-
-        def denominator(self, window):
-            raise ValueError("this reduction cannot divide")
-
-    x, y = make_data(n=32)
-    refused_then_plain(model_builder("sgd"), x, y, "cannot divide", reduction=Failing())
-
-
 def test_a_train_step_of_its_own_is_refused_by_name():
     # Keras' JAX trainer passes the state through `train_step(state, data)`;
     # the accumulating step computes the gradients itself and would skip it.
@@ -510,30 +253,6 @@ def regularized_sequence_model():
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
-
-
-def test_micro_batches_that_count_no_token_weigh_as_in_the_large_batch():
-    # Windows of 3 micro-batches of 4: the first window opens with a fully
-    # masked micro-batch (its gradient is the regularizer's alone), the second
-    # is masked whole (the large batch's loss is the regularizer's).
-    x, y = sequences(24)
-    x[:4] = 0
-    x[12:24] = 0
-    result = compare(regularized_sequence_model, x, y, micro=4, steps=3, epochs=2)
-    assert result.diff < TOL
-    assert result.moved(regularized_sequence_model) > 1e-2
-    assert result.callback.counters.items == 2 * int(np.sum(x != 0))
-
-
-def test_a_one_sample_micro_batch_and_one_of_zero_weights():
-    # 33 samples in micro-batches of 8: the last holds one sample; the
-    # second's sample weights are all zero.
-    x, y = make_data(n=33)
-    weights = np.ones(33, "float32")
-    weights[8:16] = 0.0
-    result = compare(model_builder(), x, y, micro=8, steps=3, epochs=2, sample_weight=weights)
-    assert result.diff < TOL
-    assert result.moved(model_builder()) > 1e-2
 
 
 # -- several devices: keras.distribution.DataParallel --------------------------------
@@ -733,17 +452,13 @@ def test_a_keras_hub_gpt2_under_data_parallel():
     assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch(devices):
-    # skip_nonfinite stays off on JAX: the NaN reaches the update where the
-    # large batch's does, and nowhere else.
+def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch():
+    # skip_nonfinite stays off on JAX: under DataParallel too the NaN reaches
+    # the update where the large batch's does, and nowhere else (one device:
+    # test_degenerate.py).
     x, y = make_data(n=48)
     x[29, 2] = np.nan  # the second window's second micro-batch
-    build = model_builder("sgd")
-    if devices == 1:
-        result = compare(build, x, y, micro=8, steps=3)
-    else:
-        result = data_parallel(build, x, y, micro=8, steps=3)
+    result = data_parallel(model_builder("sgd"), x, y, micro=8, steps=3)
     assert len(result.ours) == len(result.theirs) == 2
     for ours, theirs in zip(result.ours, result.theirs):
         for a, b in zip(ours, theirs):

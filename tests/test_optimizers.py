@@ -10,6 +10,7 @@ import pytest
 from reference import compare
 from reference import keras
 from reference import make_data
+from reference import make_model
 
 TOL = 1e-5
 NAMES = ["SGD", "RMSprop", "Adam", "AdamW", "Adadelta", "Adagrad", "Adamax", "Nadam", "Ftrl",
@@ -45,3 +46,16 @@ def test_every_optimizer_step_for_step(name):
     assert len(pair.theirs) == 4 and pair.callback.optimizer_steps == 4
     assert pair.diff < TOL
     assert pair.moved(lambda: build(name)) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
+                                      {"clipvalue": 0.01}])
+def test_clipping_acts_on_the_windows_gradient(clipping):
+    # Tight enough that every update is clipped: a clip per micro-batch would differ.
+    def build():
+        return make_model(optimizer=lambda: keras.optimizers.Adam(0.01, **clipping))
+
+    x, y = make_data(n=64)
+    result = compare(build, x, y, micro=8, steps=4, epochs=2)
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-2

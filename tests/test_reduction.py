@@ -2,7 +2,7 @@
 
 import pytest
 
-from reference import BACKEND
+from reference import compare
 from reference import fit_accumulated
 from reference import keras
 from reference import largest_update_diff
@@ -64,9 +64,9 @@ def test_it_weighs_as_the_built_in_one_it_rewrites():
         assert largest_update_diff(ours, built_in) < 1e-6, name
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute replicas and skip_nonfinite: "
-                    "TensorFlow's (JAX's DataParallel is tested in test_jax.py; skip_nonfinite "
-                    "is refused there by name, test_jax.py)")
+@pytest.mark.backend("tensorflow", reason="tf.distribute replicas and skip_nonfinite: "
+                     "TensorFlow's (JAX's DataParallel is tested in test_jax.py; skip_nonfinite "
+                     "is refused there by name, test_jax.py)")
 def test_with_two_replicas_and_a_left_out_share_it_is_refused_where_it_cannot_weigh():
     from reference import mirrored
 
@@ -109,3 +109,17 @@ def test_sum_with_weight_regularizers_is_refused_by_name():
             accumulation_steps=2, reduction="sum")])
     model.fit(x, y, batch_size=4, verbose=0)  # plain
     assert int(model.optimizer.iterations) == 4
+
+
+@pytest.mark.parametrize("reduction", ["samples", "mean", "sum"])
+def test_each_built_in_reduction_through_fit(reduction):
+    # Equal micro-batches: "mean" is the large batch; "sum" with a summed loss too.
+    x, y = make_data(n=64)
+    loss = keras.losses.MeanSquaredError(reduction="sum") if reduction == "sum" else "mse"
+
+    def build():
+        return make_model(optimizer="sgd", loss=loss)
+
+    result = compare(build, x, y, micro=8, steps=4, callback_kwargs={"reduction": reduction})
+    assert result.diff < TOL
+    assert result.moved(build) > 1e-3

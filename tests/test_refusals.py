@@ -175,6 +175,18 @@ def _built_in_accumulation():
     return make_model(optimizer=lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2))
 
 
+class FailingReduction(tfaccum.Reduction):
+    """A reduction of one's own that fails at the first window's end."""
+
+    name = "failing"
+
+    def weight(self, samples, items, open_window):
+        return samples
+
+    def denominator(self, window):
+        raise ValueError("this reduction cannot divide")
+
+
 @dataclasses.dataclass
 class Case:
     build: object  # () -> a compiled model
@@ -214,6 +226,8 @@ CASES = {
                                   keras3=True),
     "sum_with_regularizers": Case(_regularized, r"reduction='sum' adds",
                                   callback=dict(ACCUMULATE, reduction="sum")),
+    "reduction_failing_at_the_first_window_end": Case(
+        make_model, r"cannot divide", callback=dict(ACCUMULATE, reduction=FailingReduction())),
     "noise_scale_at_an_epoch": Case(make_model, r"noise scale .* accumulation_steps\(0\) = 1",
                                     callback=dict(accumulation_steps={1: 2}, noise_scale=True)),
     "mean_with_a_replicas_share_left_out": Case(
