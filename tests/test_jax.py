@@ -195,7 +195,7 @@ def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
 
 def test_tfaccums_batch_normalization_is_refused_by_name_on_jax():
     # The layer lives with the TensorFlow backend; on JAX it is refused, not half-served.
-    from tfaccum.backend.tensorflow.layers import AccumBatchNormalization
+    from tfaccum.backend.tensorflow.batch_norm.layers import AccumBatchNormalization
 
     def build():
         keras.utils.set_random_seed(1)

@@ -1,4 +1,5 @@
-"""`tfaccum.backend.tensorflow.keras2.AccumBatchNormalization` and `convert_batch_norm` on tf_keras models.
+"""tf_keras' `AccumBatchNormalization` (`tfaccum.backend.tensorflow.batch_norm.keras2`) and
+`convert_batch_norm` on tf_keras models.
 
 tf_keras models imported directly, in whichever Keras process runs the suite,
 against tf_keras' own `BatchNormalization` at the large batch: fused (4D
@@ -12,7 +13,7 @@ import tfaccum
 from tfaccum import GradientAccumulationCallback
 
 tf_keras = pytest.importorskip("tf_keras")  # part of the test extra
-from tfaccum.backend.tensorflow.keras2 import AccumBatchNormalization  # noqa: E402
+from tfaccum.backend.tensorflow.batch_norm.keras2 import AccumBatchNormalization  # noqa: E402
 
 pytestmark = pytest.mark.backend(
     "tensorflow",

@@ -1,21 +1,24 @@
 """TensorFlow's side of tfaccum (Keras 3 on TensorFlow, and tf_keras).
 
-The step (`step`, `accumulating_step`, `gradient_cache`), its window
-(`window`, `accumulators`, `counter_variable`, `gradients`, `precision`), its end
-(`replication`, `sources`, `host_ends`), its installation and rollback
-(`installation`, `rollback`), the observers (`observers`, with the noise scale's,
-`summary`, `moments`), the toolkit's layers and losses (`layers`, `convert`,
-`keras2`, `window_loss`, `loss_counting`, `multi_worker`), and the private Keras and
-TensorFlow names they read (`_keras_on_tf`). `BACKEND` is what the callback asks.
+The core: the step (`step`, `accumulating_step`), its window (`window`,
+`accumulators`, `counter_variable`, `gradients`), its end (`replication`,
+`sources`, `host_ends`), its installation and rollback (`installation`,
+`rollback`), the observers (`observers`, with the noise scale's, `summary`)
+and the private Keras and TensorFlow names they read (`_keras_on_tf`).
+The features it composes, each apart: `batch_norm/` (accumulation-aware
+batch normalization), `window_loss/` (window-wide losses by gradient
+caching), `loss_counting` (what each output's loss averaged over),
+`precision` (bfloat16 accumulators) and `multi_worker` (Keras 3's `fit`
+across workers). `BACKEND` is what the callback asks.
 """
 
 from tfaccum.backend import Backend
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow import moments
+from tfaccum.backend.tensorflow.batch_norm import moments
 from tfaccum.backend.tensorflow.hook import AccumulationHook
 from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries
-from tfaccum.backend.tensorflow.window_loss import window_loss_of
+from tfaccum.backend.tensorflow.window_loss.losses import window_loss_of
 
 
 class TensorFlowBackend(Backend):

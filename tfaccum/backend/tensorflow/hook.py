@@ -16,14 +16,14 @@ from tfaccum import checks
 from tfaccum import interrupts
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
-from tfaccum.backend.tensorflow.gradient_cache import CachingStep
+from tfaccum.backend.tensorflow.window_loss.gradient_cache import CachingStep
 from tfaccum.backend.tensorflow.host_ends import HostEnds
 from tfaccum.backend.tensorflow.installation import ModelInstallation
 from tfaccum.backend.tensorflow.rollback import StepRollback
 from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.window import WindowState
-from tfaccum.backend.tensorflow.window_loss import check_window_loss_meets
-from tfaccum.backend.tensorflow.window_loss import window_loss_of
+from tfaccum.backend.tensorflow.window_loss.losses import check_window_loss_meets
+from tfaccum.backend.tensorflow.window_loss.losses import window_loss_of
 from tfaccum.hook_front import HookFront
 
 
@@ -40,7 +40,7 @@ class AccumulationHook(HookFront):
     `accumulation_steps` micro-batches with the large batch's gradient (the
     same values and type: a sparse one as the window's rows). A model
     compiled with a `tfaccum.WindowLoss` trains by gradient caching
-    (`tfaccum.backend.tensorflow.gradient_cache`). A window that is not full waits for
+    (`tfaccum.backend.tensorflow.window_loss.gradient_cache`). A window that is not full waits for
     `flush()` or `drop()`; `remove()` restores the plain model exactly.
     Counters are read from the device only when asked for: `hook.counters`
     (a `Counters`, all at once) or one by one as properties

@@ -4,7 +4,7 @@ A loss such as a two-tower model's in-batch softmax scores each query against
 every document of its batch. Accumulated micro-batch by micro-batch it would
 see only its micro-batch's negatives; compiled as a `WindowLoss`, the
 accumulation hook computes it over the whole window instead (gradient
-caching, `tfaccum.backend.tensorflow.gradient_cache`), so a window of micro-batches trains
+caching, `gradient_cache` in this package), so a window of micro-batches trains
 exactly as the large batch. Without the hook a `WindowLoss` is an ordinary
 Keras loss over its batch.
 

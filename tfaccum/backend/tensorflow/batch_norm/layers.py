@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.moments import WindowedMoments
+from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
 
 
 @keras.saving.register_keras_serializable(package="tfaccum")

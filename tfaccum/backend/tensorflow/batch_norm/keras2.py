@@ -10,7 +10,7 @@ Example:
 
 ```python
 import tf_keras
-from tfaccum.backend.tensorflow.keras2 import AccumBatchNormalization
+from tfaccum.backend.tensorflow.batch_norm.keras2 import AccumBatchNormalization
 
 model = tf_keras.Sequential([
     tf_keras.Input((32, 32, 3)),
@@ -25,8 +25,8 @@ import tensorflow as tf
 import tf_keras
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.moments import saved_as
-from tfaccum.backend.tensorflow.moments import WindowedMoments
+from tfaccum.backend.tensorflow.batch_norm.moments import saved_as
+from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
 
 
 @tf_keras.saving.register_keras_serializable(package="tfaccum")

@@ -176,8 +176,9 @@ class WindowedMoments:
     """What the hook calls on a normalisation layer that pools its window's moments.
 
     Shared by `AccumBatchNormalization` (Keras 3) and its Keras 2 twin
-    (`tfaccum.backend.tensorflow.keras2`). The layer stages each forward pass's moments in the
-    window (`PooledMoments`) and leaves its moving statistics to the end of it.
+    (`batch_norm.keras2`). The layer stages each forward pass's moments in
+    the window (`PooledMoments`) and leaves its moving statistics to the end
+    of it.
     """
 
     _pooled = None  # a PooledMoments while an accumulation hook is installed

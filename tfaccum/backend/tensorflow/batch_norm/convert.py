@@ -1,8 +1,8 @@
 """`convert_batch_norm`: a model's `BatchNormalization` layers made accumulation-aware.
 
 Converts Keras 3 models with `tfaccum.AccumBatchNormalization` and tf_keras
-(Keras 2) models with `tfaccum.backend.tensorflow.keras2.AccumBatchNormalization`; a converted
-layer is saved as the `BatchNormalization` it was.
+(Keras 2) models with `keras2.AccumBatchNormalization` (this package's); a
+converted layer is saved as the `BatchNormalization` it was.
 """
 
 import collections
@@ -13,10 +13,10 @@ import warnings
 import keras
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.layers import AccumBatchNormalization
-from tfaccum.backend.tensorflow.moments import accumulating_layers
-from tfaccum.backend.tensorflow.moments import saved_as
-from tfaccum.backend.tensorflow.moments import WindowedMoments
+from tfaccum.backend.tensorflow.batch_norm.layers import AccumBatchNormalization
+from tfaccum.backend.tensorflow.batch_norm.moments import accumulating_layers
+from tfaccum.backend.tensorflow.batch_norm.moments import saved_as
+from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
 
 
 def convert_batch_norm(model, in_place=False, verbose=1):
@@ -93,7 +93,7 @@ def _kind_of(model):
     if _keras_on_tf.is_tf_keras_model(model):
         import tf_keras
 
-        from tfaccum.backend.tensorflow import keras2
+        from tfaccum.backend.tensorflow.batch_norm import keras2
 
         return _Kind(tf_keras.layers.BatchNormalization, keras2.ConvertedBatchNormalization,
                      tf_keras.models.load_model)

@@ -1,0 +1,9 @@
+"""Accumulation-aware batch normalization on TensorFlow, a feature the hook composes.
+
+`moments` (each forward pass's batch statistics staged, pooled over the window
+exactly and moved once per update: the layers' `WindowedMoments` and the
+hook's `BatchNormWindows` observer), `layers` (Keras 3's
+`AccumBatchNormalization`), `keras2` (its tf_keras twin) and `convert`
+(`convert_batch_norm`). The backend asks `moments` for a model's observers;
+nothing else of the backend imports this package.
+"""
