@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfaccum  # noqa: E402
-from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator  # noqa: E402
+from tfaccum.noise_scale import NoiseScaleEstimator  # noqa: E402
 
 VARIANTS = ("plain", "keras", "tfaccum", "no-noise", "samples")
 FEATURES, STEPS = 32, 4

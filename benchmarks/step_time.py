@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 import tfaccum  # noqa: E402
 from throughput import median_interval  # noqa: E402
 from throughput import verdict  # noqa: E402
-from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator  # noqa: E402
+from tfaccum.noise_scale import NoiseScaleEstimator  # noqa: E402
 
 VARIANTS = ("keras", "keras-again", "tfaccum", "no-noise", "samples")
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}

@@ -1,5 +1,7 @@
 """Accumulation under tf.distribute.MirroredStrategy on two logical CPUs, graph mode."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -216,7 +218,9 @@ def test_dashboard_series_are_those_of_the_global_window(tmp_path):
     assert values(series, "window_samples") == [32, 32, 32, 4] * 3
     # Per variable (the layers' auto-numbered names differ; their order not).
     def per_variable(run):
-        tags = sorted(t for t in run if t.startswith(dashboard_schema.ACCUMULATOR_PREFIX))
+        # Numbers compared as numbers: "dense_99" comes before "dense_100".
+        tags = sorted((t for t in run if t.startswith(dashboard_schema.ACCUMULATOR_PREFIX)),
+                      key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
         return [[float(v) for _, v in run[tag]] for tag in tags]
 
     assert len(per_variable(series)) == len(per_variable(expected)) == 4

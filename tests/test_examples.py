@@ -172,9 +172,10 @@ def test_the_noise_scale_adds_its_norm_and_one_update_to_a_micro_step(variant):
                            for name in (variant, "no-noise"))
     added = with_noise - without
     # The micro-batch's squared norm: one read of each of the 4 gradients,
-    # summed; its window sums: one update.
+    # summed; its window sums: one read and one write of one variable (the
+    # estimator's state, `tfaccum.observing`, written where it changed).
     assert added["L2Loss"] == 4 and added["AddN"] == 1, added
-    assert added["AssignAddVariableOp"] == 1, added
+    assert added["ReadVariableOp"] == 1 and added["AssignVariableOp"] == 1, added
     # Weighed by its items, a micro-batch weighed 0 counted none: no select.
     assert added["SelectV2"] == 0 and added["NotEqual"] == 0, added
 

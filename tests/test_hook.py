@@ -14,7 +14,7 @@ import tfaccum
 from tfaccum import GradientAccumulationCallback
 from tfaccum import install_accumulation_hook
 from tfaccum.patching import HOOK_ATTRIBUTE
-from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 
 
 def linear_model():
@@ -74,8 +74,9 @@ class ApplyRecorder(WindowObserver):
     def __init__(self):
         self.eagerly = []
 
-    def on_apply(self, update):
+    def on_apply(self, state, update):
         self.eagerly.append(tf.executing_eagerly())
+        return {}
 
 
 @pytest.mark.backend("tensorflow", reason="TensorFlow's host-ended windows, eager then traced")

@@ -4,25 +4,48 @@ import math
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from reference import keras
 from reference import make_data
 from reference import make_model
 
 from tfaccum import GradientAccumulationCallback
-from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
+from tfaccum.noise_scale import NoiseScaleEstimator
+from tfaccum.observing import MicroStep
+from tfaccum.observing import Update
 from tfaccum.noise_scale import SMOOTHING
 
 
+class HostHook:
+    """What a backend's hook gives an observer, on the host with NumPy arrays."""
+
+    ops = np
+
+    def __init__(self):
+        self.states = {}
+
+    def observer_state(self, observer):
+        return self.states.get(id(observer))
+
+    def set_observer_state(self, observer, entries):
+        self.states[id(observer)] = dict(self.states.get(id(observer), {}), **entries)
+
+
 def test_estimators_by_hand():
-    estimator = NoiseScaleEstimator()
+    """The one estimator every backend runs, fed by hand (its state: NumPy arrays)."""
+    estimator, hook = NoiseScaleEstimator(), HostHook()
+    estimator.on_install(hook)
+    hook.set_observer_state(estimator, estimator.initial())
+
+    def tell(method, record):
+        hook.set_observer_state(estimator, getattr(estimator, method)(estimator.state(), record))
 
     def window(norms, applied_square, samples=4):
         for norm in norms:
-            estimator.add_micro_batch(tf.constant(norm**2), tf.constant(samples, tf.int64))
-        estimator.add_window(tf.constant(applied_square),
-                             samples=tf.constant(samples * len(norms), tf.int64))
+            tell("on_micro_step", MicroStep(mean_squared_norm=np.float32(norm**2),
+                                            measured_items=np.int64(samples)))
+        tell("on_apply", Update(mean_squared_norm=np.float32(applied_square),
+                                window={"window_items": np.int64(samples * len(norms))}))
 
     # A window of two micro-batches of 4 samples, squared gradient norms 9 and 25,
     # whose normalised sum has norm 2: |G_small|^2 = (9 + 25) / 2 = 17,
@@ -30,8 +53,8 @@ def test_estimators_by_hand():
     window([3.0, 5.0], 4.0)
     gradient_square = (8 * 4 - 4 * 17) / (8 - 4)  # -9: a single window is noisy
     trace = (17 - 4) / (1 / 4 - 1 / 8)  # 104
-    assert float(estimator._gradient_square) == pytest.approx(gradient_square)
-    assert float(estimator._trace) == pytest.approx(trace)
+    assert float(estimator.state()["gradient_square"]) == pytest.approx(gradient_square)
+    assert float(estimator.state()["trace"]) == pytest.approx(trace)
     assert estimator.noise_scale is None  # |G|^2 <= 0: not defined yet
     # A second window, whose |G|^2 estimate (8 * 9 - 4 * 4) / 4 = 14 makes the
     # moving average positive: the two averages move separately, then divide.
@@ -46,10 +69,15 @@ def test_estimators_by_hand():
         trace = SMOOTHING * trace + (1 - SMOOTHING) * ((4 - 9) / (1 / 4 - 1 / 8))
     assert gradient_square > 0
     assert estimator.noise_scale == pytest.approx(trace / gradient_square, rel=1e-5)
+    assert estimator.micro_batch_size == 4.0
     # A window of one micro-batch gives no estimate.
-    before = int(estimator._windows)
+    before = int(estimator.state()["windows"])
     window([1.0], 1.0)
-    assert int(estimator._windows) == before
+    assert int(estimator.state()["windows"]) == before
+    # A micro-batch that was not measured (weighed 0) adds no samples, nor a batch.
+    tell("on_micro_step", MicroStep(mean_squared_norm=np.float32(0.0),
+                                    measured_items=np.int64(0)))
+    assert not estimator.state()["micro"].any()
 
 
 def regression(n=2048, noise=1.0, seed=0):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from reference import keras
 from reference import make_data
 from reference import read_run
 from reference import make_model
@@ -258,3 +259,19 @@ def test_a_killed_run_keeps_what_is_older_than_the_write_interval(tmp_path):
     assert old and old[-1] > 20
     written = steps(read_run(str(log_dir))[0], "applied_gradient_norm")
     assert written[:old[-1]] == list(range(1, old[-1] + 1))
+
+
+@pytest.mark.parametrize("loss_reduction", ["sum_over_batch_size", "sum"])
+def test_the_applied_norm_is_that_of_the_gradient_the_optimizer_applied(tmp_path,
+                                                                         loss_reduction):
+    """On every backend: plain SGD moves the weights by lr times what it applied,
+    whatever the loss's reduction (a summed loss's applied gradient is a sum)."""
+    x, y = make_data(n=16)
+    model = make_model(loss=keras.losses.MeanSquaredError(reduction=loss_reduction))
+    before = [np.array(w) for w in model.trainable_weights]
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        GradientAccumulationCallback(accumulation_steps=4, log_dir=str(tmp_path))])
+    moved = [(b - np.array(w)) / 0.05 for b, w in zip(before, model.trainable_weights)]
+    applied = np.sqrt(sum(float(np.sum(m.astype(np.float64) ** 2)) for m in moved))
+    series, _ = read_run(str(tmp_path))
+    assert values(series, "applied_gradient_norm") == [pytest.approx(applied, rel=1e-3)]

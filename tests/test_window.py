@@ -8,7 +8,7 @@ from reference import make_data
 from reference import make_model
 
 from tfaccum import AccumulationHook
-from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 from tfaccum.backend.tensorflow.accumulators import Accumulators
 from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
@@ -78,16 +78,20 @@ class Recorder(WindowObserver):
             self.applied = tf.Variable(tf.zeros((), tf.int64))
             self.resets = tf.Variable(tf.zeros((), tf.int64))
 
-    def on_micro_step(self, step):
+    def on_micro_step(self, state, step):
         self.micro_samples.assign_add(step.samples)
+        return {}
 
-    def on_apply(self, update):
+    def on_apply(self, state, update):
         self.applied.assign_add(update.window["window_samples"])
+        return {}
 
-    def on_reset(self):
+    def on_reset(self, state):
         self.resets.assign_add(1)
+        return {}
 
     def on_install(self, hook):
+        super().on_install(hook)
         self.calls.append("install")
 
     def on_uninstall(self, hook):

@@ -70,8 +70,10 @@ class HookFront:
         """
         checks.check_reinstallable(self.can_reinstall(), self.model)
         self._zero()
-        for observer in self.observers:
-            observer.on_reset()
+        for observer in self.observers:  # the window is emptied, on the host
+            changed = observer.on_reset(observer.state())
+            if changed:
+                self.set_observer_state(observer, changed)
         self._install()
 
     def remove(self):

@@ -14,6 +14,7 @@ import abc
 import importlib
 
 from tfaccum import _keras
+from tfaccum.noise_scale import NoiseScaleEstimator
 
 
 class Backend(abc.ABC):
@@ -28,7 +29,6 @@ class Backend(abc.ABC):
     Attributes:
         name: Keras' name of the backend (`keras.backend.backend()`).
         hook_class: Its `AccumulationHook` (on `tfaccum.hook_front.HookFront`).
-        estimator_class: Its noise-scale observer, made as `estimator_class()`.
         summaries_class: Its dashboard observer, made as
             `summaries_class(log_dir, scalars=, write_interval=, noise=)`.
     """
@@ -36,7 +36,7 @@ class Backend(abc.ABC):
     # The attributes above: a subclass sets each as a class attribute.
     name = property(abc.abstractmethod(lambda self: None))
     hook_class = property(abc.abstractmethod(lambda self: None))
-    estimator_class = property(abc.abstractmethod(lambda self: None))
+    estimator_class = NoiseScaleEstimator  # every backend's: its state is arrays of `hook.ops`
     summaries_class = property(abc.abstractmethod(lambda self: None))
 
     @abc.abstractmethod

@@ -4,14 +4,12 @@
 (the compiled functions: accumulate, normalize, apply), `parallel.py` (one
 device, or `keras.distribution.DataParallel`'s devices, each with its own
 partial sums), `installation.py` (the train function swapped in),
-`observers.py` (the noise scale's estimator), `summary.py` (the dashboard's
-series) and `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is
+`summary.py` (the dashboard's series) and `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is
 what the callback asks.
 """
 
 from tfaccum.backend import Backend
 from tfaccum.backend.jax.hook import AccumulationHook
-from tfaccum.backend.jax.observers import NoiseScaleEstimator
 from tfaccum.backend.jax.summary import AccumulationSummaries
 
 
@@ -22,7 +20,6 @@ class JaxBackend(Backend):
 
     name = "jax"
     hook_class = AccumulationHook
-    estimator_class = NoiseScaleEstimator
     summaries_class = AccumulationSummaries
 
     def writes_summaries(self, model):

@@ -18,7 +18,7 @@ from tfaccum import items as said_items
 from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.installation import ModelInstallation
-from tfaccum.backend.jax.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
@@ -87,16 +87,20 @@ class AccumulationHook(HookFront):
         """Sets the window length used from the next micro-batch on."""
         self._steps = checks.check_steps(accumulation_steps)
 
+    ops = jnp  # the array namespace observers compute with
+
     def observer_state(self, observer):
         """`observer`'s device state now, or `None` before the first micro-batch."""
         if self._observed is None:
             return None
         return self._observed[self.observers.index(observer)]
 
-    def set_observer_state(self, observer, state):
+    def set_observer_state(self, observer, entries):
+        """Sets the entries of `observer`'s state given (none before the first micro-batch)."""
         if self._observed is not None:
             observed = list(self._observed)
-            observed[self.observers.index(observer)] = state
+            index = self.observers.index(observer)
+            observed[index] = dict(observed[index], **entries)
             self._observed = tuple(observed)
 
     @property
@@ -247,7 +251,7 @@ class AccumulationHook(HookFront):
             self.counts.end_window()
             self.counts.items = self.counts.items.at[..., 0].set(0)  # the window's items
             for observer in self.observers:
-                observer.on_reset()
+                self.set_observer_state(observer, observer.on_reset(observer.state()))
         return window
 
 
@@ -280,10 +284,12 @@ def check_served(model, configuration, observers):
             refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "
                    "would normalise by its own share's statistics, not the micro-batch's as "
                    "Keras does)", "Use LayerNormalization, or one device.", on_tensorflow=False)
-    others = sorted({type(o).__name__ for o in observers if not isinstance(o, WindowObserver)})
+    # The protocol is every backend's; what an observer keeps besides is its backend's.
+    others = sorted({type(o).__name__ for o in observers if not isinstance(o, WindowObserver)
+                     or type(o).__module__.startswith("tfaccum.backend.tensorflow")})
     if others:
         refuse(f"observers made for TensorFlow ({others})",
-               "Pass the JAX backend's (tfaccum.backend.jax.observers).")
+               "Pass the core's or the JAX backend's (tfaccum.observing.WindowObserver).")
     own = _keras_on_jax.own_train_step(model)
     if own is not None:
         refuse(f"a `train_step` of its own ({own}.train_step: the JAX step computes the "

@@ -32,8 +32,8 @@ from tfaccum.backend.jax import parallel
 from tfaccum.backend.jax.parallel import BATCH
 from tfaccum.backend.jax.parallel import SHARED
 from tfaccum.backend.jax.parallel import SPLIT
-from tfaccum.backend.jax.observers import MicroStep
-from tfaccum.backend.jax.observers import Update
+from tfaccum.observing import MicroStep
+from tfaccum.observing import Update
 from tfaccum.counts import WINDOW_COUNTS
 
 
@@ -66,7 +66,7 @@ class CompiledSteps:
     Args:
         model: The compiled Keras model (JAX backend).
         reduction: The hook's `Reduction`.
-        observers: The hook's `WindowObserver`s (`observers.py`).
+        observers: The hook's `WindowObserver`s (`tfaccum.observing`).
         jit: Whether to compile (`False` under `run_eagerly=True` or
             `jit_compile=False`, on one device).
         devices: Where the step runs (`parallel.for_distribution`).
@@ -117,12 +117,15 @@ class CompiledSteps:
             non_trainable[i] = self.devices.first(value)
         if self.observers:
             # Each device's share is a micro-batch to the observers.
-            squares, added, losses, sample_counts = (jnp.reshape(share[name], (-1,)) for name in (
-                "square", "added", "loss", "samples"))
+            squares, means, added, losses, sample_counts = (
+                jnp.reshape(share[name], (-1,))
+                for name in ("square", "mean_square", "added", "loss", "samples"))
             for i in range(self.devices.shares):
-                step = MicroStep(squared_norm=squares[i], samples=added[i],
-                                 loss=losses[i].astype(jnp.float32), sample_count=sample_counts[i])
-                observed = tuple(o.on_micro_step(s, step)
+                step = MicroStep(squared_norm=squares[i], mean_squared_norm=means[i],
+                                 items=added[i], measured_items=added[i],
+                                 samples=sample_counts[i],
+                                 loss=losses[i].astype(jnp.float32), measured=True)
+                observed = tuple(dict(s, **o.on_micro_step(s, step))
                                  for o, s in zip(self.observers, observed))
         loss = self._loss(share)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -160,11 +163,11 @@ class CompiledSteps:
             self.says_counts = True
         added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
         open_window = self._share_window(open_window, items)
-        square = jnp.zeros((), jnp.float32)
+        square = mean_square = jnp.zeros((), jnp.float32)
         if self.observers:
-            square = squared_norm(grads)
+            square = mean_square = squared_norm(grads)
             if self._sums:
-                square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
+                mean_square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
         weight = self.reduction.weight(samples, added, window_counts(open_window))
         factor = weight
         if weight is None and self.reduction.per_micro_batch and devices.shares > 1:
@@ -180,7 +183,8 @@ class CompiledSteps:
         accumulators = [jnp.where(restart, 0.0, a) + g.astype(a.dtype)
                         for a, g in zip(accumulators, grads)]
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
-        share = {"loss": loss, "factor": factor, "square": square, "added": added,
+        share = {"loss": loss, "factor": factor, "square": square, "mean_square": mean_square,
+                 "added": added,
                  "count": count,
                  "samples": jnp.asarray(samples, jnp.int32),
                  # What the micro-batch's loss divides the shares' weighted sum by.
@@ -231,12 +235,18 @@ class CompiledSteps:
             accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
         if self.observers:
             squares = [squared_norm([a]) for a in accumulators]
+            square = mean_square = sum(squares)
             if self._sums:
                 samples = jnp.maximum(counts["window_samples"], 1).astype(jnp.float32)
-                squares = [square / jnp.square(samples) for square in squares]
-            update = Update(squared_norm=sum(squares), variable_squares=squares,
-                            samples=counts["window_items"])
-            observed = tuple(o.on_apply(s, update) for o, s in zip(self.observers, observed))
+                mean_square = square / jnp.square(samples)
+            # The window's counts and loss are the host's (`after_apply`).
+            update = Update(squared_norm=square, mean_squared_norm=mean_square,
+                            variables=self.model.trainable_variables, variable_squares=squares,
+                            gradient_scale=None, window=counts, counts=None, iterations=None,
+                            loss=None)
+            observed = tuple(dict(s, **o.on_apply(s, update))
+                             for o, s in zip(self.observers, observed))
+            observed = tuple(dict(s, **o.on_reset(s)) for o, s in zip(self.observers, observed))
         return accumulators, observed, items.at[0].set(0), window_items
 
     def _apply(self, trainable, optimizer_variables, accumulators):

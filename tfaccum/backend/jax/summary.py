@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfaccum import dashboard_writer
-from tfaccum.backend.jax.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 from tfaccum.dashboard_writer import DashboardWriter
 from tfaccum.dashboard_writer import SERIES
 from tfaccum.dashboard_writer import UpdateRows
@@ -33,7 +33,6 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
     def __init__(self, log_dir, *, scalars=False, capacity=1024, write_interval=30.0, noise=None):
         DashboardWriter.__init__(self, log_dir, scalars=scalars, capacity=capacity,
                                  write_interval=write_interval, noise=noise)
-        self.hook = None
         self._rows = []  # (step, host values, device values) per update
         self._variable_names = None
 
@@ -49,9 +48,9 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
     def on_micro_step(self, state, step):
         norm = jnp.sqrt(step.squared_norm)
-        items = step.samples.astype(jnp.float32)
-        samples = step.sample_count.astype(jnp.float32)
-        return dict(state, micro_sum=state["micro_sum"] + norm,
+        items = step.items.astype(jnp.float32)
+        samples = step.samples.astype(jnp.float32)
+        return dict(micro_sum=state["micro_sum"] + norm,
                     micro_max=jnp.maximum(state["micro_max"], norm),
                     micro_count=state["micro_count"] + 1.0,
                     loss_items=state["loss_items"] + step.loss * items,
@@ -62,7 +61,6 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
     def on_apply(self, state, update):
         measured = state["micro_count"] > 0
         nan = jnp.float32(float("nan"))
-        zero = jnp.zeros((), jnp.float32)
         per_variable = jnp.sqrt(jnp.stack(update.variable_squares))
         # The window's loss weighted as the large batch's: by items, or by
         # samples where the window counted none (as on TensorFlow).
@@ -70,8 +68,7 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         window_loss = jnp.where(
             counted, state["loss_items"] / jnp.maximum(state["items"], 1.0),
             state["loss_samples"] / jnp.maximum(state["samples"], 1.0))
-        return dict(state, micro_sum=zero, micro_max=zero, micro_count=zero,
-                    window_loss=window_loss, **{name: zero for name in _LOSS_SUMS},
+        return dict(window_loss=window_loss,
                     micro_mean=jnp.where(measured, state["micro_sum"]
                                          / jnp.maximum(state["micro_count"], 1.0), nan),
                     micro_top=jnp.where(measured, state["micro_max"], nan),
@@ -88,12 +85,9 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
     def on_uninstall(self, hook):
         self.flush()
 
-    def on_reset(self):
-        state = self.state() if self.hook is not None else None
-        if state is not None:
-            self.hook.set_observer_state(self, dict(state, **{
-                name: jnp.zeros((), jnp.float32)
-                for name in ("micro_sum", "micro_max", "micro_count", *_LOSS_SUMS)}))
+    def on_reset(self, state):
+        return {name: jnp.zeros((), jnp.float32)
+                for name in ("micro_sum", "micro_max", "micro_count", *_LOSS_SUMS)}
 
     def after_apply(self, iterations, window, counts):
         """Adds the row of the update just made (device values are not read yet).

@@ -3,7 +3,7 @@
 The core: the step (`step`, `accumulating_step`), its window (`window`,
 `accumulators`, `counter_variable`, `gradients`), its end (`replication`,
 `sources`, `host_ends`), its installation and rollback (`installation`,
-`rollback`), the observers (`observers`, with the noise scale's, `summary`)
+`rollback`), the observers' states (`observer_states`), the dashboard's rows (`summary`)
 and the private Keras and TensorFlow names they read (`_keras_on_tf`).
 The features it composes, each apart: `batch_norm/` (accumulation-aware
 batch normalization), `window_loss/` (window-wide losses by gradient
@@ -16,7 +16,6 @@ from tfaccum.backend import Backend
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.batch_norm import moments
 from tfaccum.backend.tensorflow.hook import AccumulationHook
-from tfaccum.backend.tensorflow.observers import NoiseScaleEstimator
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries
 from tfaccum.backend.tensorflow.window_loss.losses import window_loss_of
 
@@ -26,7 +25,6 @@ class TensorFlowBackend(Backend):
 
     name = "tensorflow"
     hook_class = AccumulationHook
-    estimator_class = NoiseScaleEstimator
     summaries_class = AccumulationSummaries
 
     def writes_summaries(self, model):

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow import replication
+from tfaccum.backend.tensorflow.observer_states import tell
 from tfaccum.backend.tensorflow.sources import AccumulatedGradients
 from tfaccum.backend.tensorflow.step import StepTracer
 
@@ -72,14 +73,12 @@ class AccumulatingStep:
 
         def add():
             delta = state.add(micro, totals)
-            for observer in observers:
-                observer.on_micro_step(seen)
+            tell(observers, "on_micro_step", seen)
             return delta
 
         def leave_out():
             replicas.leave_out()
-            for observer in observers:
-                observer.on_leave_out(seen)
+            tell(observers, "on_leave_out", seen)
             return state.leave_out(totals)
 
         if self.skip_nonfinite:

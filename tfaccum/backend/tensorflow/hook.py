@@ -19,6 +19,7 @@ from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
 from tfaccum.backend.tensorflow.window_loss.gradient_cache import CachingStep
 from tfaccum.backend.tensorflow.host_ends import HostEnds
 from tfaccum.backend.tensorflow.installation import ModelInstallation
+from tfaccum.backend.tensorflow.observer_states import ObserverStates
 from tfaccum.backend.tensorflow.rollback import StepRollback
 from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.window import WindowState
@@ -83,6 +84,7 @@ class AccumulationHook(HookFront):
         optimizer = model.optimizer
         self.model = model
         self.observers = list(observers)
+        self._observed = ObserverStates()
         self.configuration = configuration
         strategy = model.distribute_strategy
         checks.check_accumulator_dtype_meets(configuration.accumulator_dtype, strategy)
@@ -126,6 +128,7 @@ class AccumulationHook(HookFront):
         # train step traces.
         for observer in self.observers:
             observer.on_install(self)
+        self._observed.make(self.observers)
         self._rollback.arm()
         self.installation.install()
 
@@ -134,6 +137,16 @@ class AccumulationHook(HookFront):
         self._replication.zero()
 
     # -- configuration ----------------------------------------------------
+
+    ops = tf  # the array namespace observers compute with
+
+    def observer_state(self, observer):
+        """`observer`'s state (`tfaccum.observing`): its variables, read where used."""
+        return self._observed.read(observer)
+
+    def set_observer_state(self, observer, entries):
+        """Sets the entries of `observer`'s state given (inside the step, or now)."""
+        self._observed.write(observer, entries)
 
     @property
     def accumulation_steps(self):

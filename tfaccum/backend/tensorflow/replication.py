@@ -11,7 +11,8 @@ hook hold no replica branch.
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.observers import Update
+from tfaccum.backend.tensorflow.observer_states import tell
+from tfaccum.backend.tensorflow.observer_states import observed_update
 from tfaccum.counts import Window
 
 
@@ -143,12 +144,9 @@ class OneDevice:
         applied = 1
         if before is not None:  # a LossScaleOptimizer skips a non-finite window
             applied = tf.cast(tf.convert_to_tensor(iterations) > before, tf.int64)
-        update = Update(
-            grads=grads, variables=variables, gradient_scale=gradient_scale, window=window,
-            counts=counts, iterations=iterations, mean_divisor=self.state.mean_divisor(window),
-            loss=self.source.loss(prepared, window), model_name=self.model.name)
-        for observer in self.observers_here():
-            observer.on_apply(update)
+        tell(self.observers_here(), "on_apply", observed_update(
+            grads, variables, gradient_scale, self.state.mean_divisor(window), window=window,
+            counts=counts, iterations=iterations, loss=self.source.loss(prepared, window)))
         self._reset(local, window, optimizer_steps=applied, **extra_counts)
         return tf.constant(True)
 
@@ -166,8 +164,7 @@ class OneDevice:
 
     def _reset(self, local, window, **extra_counts):
         self.state.reset(local, **extra_counts)
-        for observer in self.observers_here():
-            observer.on_reset()
+        tell(self.observers_here(), "on_reset")
         self.source.reset()
 
     def _lower_loss_scale(self, rescale):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.gradients import unscaled
-from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 from tfaccum import dashboard_writer
 from tfaccum.dashboard_writer import DashboardWriter
 from tfaccum.dashboard_writer import SERIES
@@ -56,14 +56,16 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
     # -- the window protocol (inside the train step) ------------------------------
 
-    def on_micro_step(self, step):
+    def on_micro_step(self, state, step):
         """Adds one micro-batch's gradient norm (few ops: every micro-step)."""
         norm = tf.sqrt(step.squared_norm)  # 0 where not measured
         self._micro_norm_sum.assign_add(norm)
         self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
         self._micro_count.assign_add(tf.cast(step.measured, tf.float32))
+        return {}
 
     def on_install(self, hook):
+        super().on_install(hook)
         # Sized by the model's variables, on the host; a model not built
         # yet gets it at the first trace.
         if self._norms is None and hook.model.trainable_variables:
@@ -76,17 +78,17 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
             "summary_accumulator_norms",
         )
 
-    def on_apply(self, update):
+    def on_apply(self, state, update):
         """Buffers one row for an optimizer update (an `Update`)."""
-        present = [(g, v) for g, v in zip(update.grads, update.variables) if g is not None]
+        present = [v for sq, v in zip(update.variable_squares, update.variables) if sq is not None]
         if self._norms is None:
-            self._make_norms([v for _, v in present])
+            self._make_norms(present)
         if self._variable_names is None:
             self._variable_names = [
-                (dashboard_writer.variable_name(v, update.model_name), self._columns[id(v)])
-                for _, v in present
+                (dashboard_writer.variable_name(v, self.hook.model.name), self._columns[id(v)])
+                for v in present
             ]
-        squares = [sq for sq in update.variable_squared_norms if sq is not None]
+        squares = [sq for sq in update.variable_squares if sq is not None]
         present_norms = unscaled(tf.sqrt(tf.stack(squares)), update.gradient_scale)
         norms = tf.scatter_nd(
             [[column] for _, column in self._variable_names],
@@ -125,11 +127,13 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         self._norms.scatter_nd_update([[index]], [norms])
         self._row_count.assign(tf.minimum(count + 1, self.capacity))
         self._overflow.assign_add(tf.cast(count >= self.capacity, tf.int64))
+        return {}
 
-    def on_reset(self):
+    def on_reset(self, state):
         self._micro_norm_sum.assign(0.0)
         self._micro_norm_max.assign(0.0)
         self._micro_count.assign(0.0)
+        return {}
 
     def on_uninstall(self, hook):
         self.flush()

@@ -16,7 +16,7 @@ from tfaccum import reduction as _reduction
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow.accumulators import Accumulators
-from tfaccum.backend.tensorflow.observers import MicroStep
+from tfaccum.backend.tensorflow.observer_states import observed_micro_step
 from tfaccum.counts import WINDOW_COUNTS
 
 
@@ -230,10 +230,10 @@ class WindowState:
         )
 
     def micro_step(self, micro):
-        """What observers see of `micro`: a `MicroStep`."""
-        return MicroStep(
-            grads=list(micro.grads), variables=list(micro.variables), samples=micro.samples,
-            items=micro.items, gradient_scale=micro.gradient_scale,
+        """What observers see of `micro`: a `tfaccum.observing.MicroStep`."""
+        return observed_micro_step(
+            list(micro.grads), samples=micro.samples, items=micro.items, loss=micro.loss,
+            gradient_scale=micro.gradient_scale,
             mean_divisor=micro.samples if self._sums else None,
             weighs_items=self._weighs_items(micro.every_sample_counts))
 

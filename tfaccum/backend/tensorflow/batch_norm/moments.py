@@ -13,7 +13,7 @@ import threading
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.observers import WindowObserver
+from tfaccum.observing import WindowObserver
 
 
 class PooledMoments:
@@ -141,23 +141,30 @@ class BatchNormWindows(WindowObserver):
     def __repr__(self):
         return f"BatchNormWindows({[layer.name for layer, _ in self.pooled]})"
 
-    def on_micro_step(self, step):
+    # What it keeps are the layers' variables: its state is empty.
+
+    def on_micro_step(self, state, step):
         for _, pooled in self.pooled:
             pooled.commit()
+        return {}
 
-    def on_leave_out(self, step):
+    def on_leave_out(self, state, step):
         for _, pooled in self.pooled:
             pooled.discard()
+        return {}
 
-    def on_apply(self, update):
+    def on_apply(self, state, update):
         for layer, _ in self.pooled:
             layer._apply_window_moments()
+        return {}
 
-    def on_reset(self):
+    def on_reset(self, state):
         for _, pooled in self.pooled:
             pooled.reset()
+        return {}
 
     def on_install(self, hook):
+        super().on_install(hook)
         for layer, pooled in self.pooled:
             layer._set_pooled(pooled)
 
