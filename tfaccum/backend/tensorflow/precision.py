@@ -13,8 +13,7 @@ Precision"). `benchmarks/precision.py` measures both against float32.
 
 import tensorflow as tf
 
-_LOW_BITS = 1 << 16  # the float32 bits a bfloat16 drops
-_HIGH_BITS = -_LOW_BITS  # as an int32 mask: 0xFFFF0000
+from tfaccum import stochastic_rounding
 
 
 def stochastic_round(x):
@@ -33,10 +32,9 @@ def stochastic_round(x):
     # Drawn once `x` exists: with nothing to wait for, the draws of every
     # slice ran when the step began and were all alive at once.
     with tf.control_dependencies([x]):
-        noise = tf.random.uniform(tf.shape(x), 0, _LOW_BITS, dtype=tf.int32)
-    # Adding below the kept bits carries into them with the remainder's
-    # probability; infinities (low bits zero) and NaN stay what they are.
-    bits = tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32) + noise, _HIGH_BITS)
+        noise = tf.random.uniform(
+            tf.shape(x), 0, stochastic_rounding.NOISE_BOUND, dtype=tf.int32)
+    bits = stochastic_rounding.round_bits(tf.bitcast(x, tf.int32), noise)
     # The low bits are zero: the cast is exact.
     return tf.cast(tf.bitcast(bits, tf.float32), tf.bfloat16)
 

@@ -12,6 +12,7 @@ import warnings
 
 import tensorflow as tf
 
+from tfaccum import output_weighting
 from tfaccum import reduction as _reduction
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
@@ -72,7 +73,7 @@ class OutputChannels:
     def _totals(self, totals):
         if totals is None:  # this replica's (all of them, on one)
             totals = [channel.counts.read()["window_items"] for channel in self.channels]
-        return [tf.maximum(tf.cast(total, tf.float64), 1.0) for total in totals]
+        return [tf.cast(total, tf.float64) for total in totals]
 
     def combine(self, grads, totals=None):
         """`grads` (the main accumulators', normalised) plus each output's, normalised.
@@ -81,17 +82,16 @@ class OutputChannels:
         default this replica's.
         """
         for channel, total in zip(self.channels, self._totals(totals)):
-            grads = [gradients.add(a, b) for a, b in zip(grads, channel.gradients(total * self._loss_share))]
+            divisor = output_weighting.divisor(total, self._loss_share, tf.math)
+            grads = [gradients.add(a, b) for a, b in zip(grads, channel.gradients(divisor))]
         return grads
 
     def loss(self, totals=None, loss_sums=None):
         """The outputs' part of the window's loss: each weighted mean over its total."""
         if loss_sums is None:
             loss_sums = [channel.loss_sum.read_value()[0] for channel in self.channels]
-        return tf.add_n([
-            weight * loss_sum / total / self._loss_share
-            for weight, loss_sum, total in zip(self.weights, loss_sums, self._totals(totals))
-        ])
+        return output_weighting.window_loss(
+            self.weights, loss_sums, self._totals(totals), self._loss_share, tf.math)
 
     def scale(self, factor):
         for channel in self.channels:

@@ -12,6 +12,7 @@ import threading
 
 import tensorflow as tf
 
+from tfaccum import moment_pooling
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.observing import WindowObserver
 
@@ -55,13 +56,10 @@ class PooledMoments:
 
     @staticmethod
     def _combine(into, count, mean, m2):
-        into_count, into_mean, into_m2 = into
-        total = into_count + count
-        safe_total = tf.maximum(total, 1.0)
-        delta = mean - into_mean
-        into_m2.assign(into_m2 + m2 + tf.square(delta) * into_count * count / safe_total)
-        into_mean.assign(into_mean + delta * count / safe_total)
-        into_count.assign(total)
+        pooled = moment_pooling.combine(
+            tuple(v.read_value() for v in into), (count, mean, m2), tf.math)
+        for variable, value in zip(into, pooled):
+            variable.assign(value)
 
     def stage(self, count, mean, variance):
         """Adds a forward pass's statistics to the micro-batch being trained.
@@ -82,7 +80,7 @@ class PooledMoments:
                 "large batch's. Give each call a layer of its own, or keep this one a "
                 "plain keras.layers.BatchNormalization."
             )
-        self._combine(self._staged, count, mean, variance * count)
+        self._combine(self._staged, *moment_pooling.summary(count, mean, variance))
 
     def _calls(self):
         if not hasattr(self._traced, "calls"):
@@ -113,12 +111,10 @@ class PooledMoments:
         """
         count, mean, m2 = self.count.read_value(), self.mean.read_value(), self.m2.read_value()
         if across_replicas:
-            count, weighted, squares = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [count, count * mean, m2 + count * tf.square(mean)]
-            )
-            mean = weighted / tf.maximum(count, 1.0)
-            m2 = tf.maximum(squares - count * tf.square(mean), 0.0)
-        return mean, m2 / tf.maximum(count, 1.0), count
+            sums = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, list(moment_pooling.to_sums(count, mean, m2)))
+            count, mean, m2 = moment_pooling.from_sums(*sums, tf.math)
+        return (*moment_pooling.mean_and_variance(count, mean, m2, tf.math), count)
 
     def reset(self):
         _zero((self.count, self.mean, self.m2))
@@ -237,9 +233,8 @@ class WindowedMoments:
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
 
         def moments(count, total, squares):
-            count = tf.maximum(count, 1.0)
-            mean = total / count
-            return count, mean, tf.maximum(squares / count - tf.square(mean), 0.0)
+            count, mean, m2 = moment_pooling.from_sums(tf.maximum(count, 1.0), total, squares, tf.math)
+            return (count, *moment_pooling.mean_and_variance(count, mean, m2, tf.math))
 
         return moments(*sums), moments(*reduced)
 
