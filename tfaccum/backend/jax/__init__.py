@@ -1,7 +1,7 @@
 """Keras 3's JAX backend: the host counts the window and picks a compiled step.
 
 `hook.py` (the hook, the same public surface as TensorFlow's), `step.py`
-(the compiled functions: accumulate, normalize, apply), `parallel.py` (one
+(the compiled functions: accumulate, normalize, apply), `devices.py` (one
 device, or `keras.distribution.DataParallel`'s devices, each with its own
 partial sums), `installation.py` (the train function swapped in),
 `summary.py` (the dashboard's series) and `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is

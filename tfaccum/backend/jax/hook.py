@@ -16,7 +16,7 @@ from tfaccum import checks
 from tfaccum import interrupts
 from tfaccum import items as said_items
 from tfaccum.backend.jax import _keras_on_jax
-from tfaccum.backend.jax import parallel
+from tfaccum.backend.jax.devices import for_distribution
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.observing import WindowObserver
 from tfaccum.backend.jax.step import CompiledSteps
@@ -45,7 +45,7 @@ class AccumulationHook(HookFront):
         self.configuration = configuration
         self.reduction = configuration.reduction
         self.observers = list(observers)
-        self.devices = parallel.for_distribution(_keras_on_jax.distribution())
+        self.devices = for_distribution(_keras_on_jax.distribution())
         self.counts = HostCounts(self.devices)
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch

@@ -13,7 +13,7 @@ are donated, so XLA updates them in place (`benchmarks/jax_backend.py`).
 `flush` runs the last two from the host.
 
 Each function is written for one device's share of a micro-batch
-(`parallel.py`): on one device the share is all of it; under
+(`devices.py`): on one device the share is all of it; under
 `keras.distribution.DataParallel` every device adds its share's gradient to
 its own accumulators, and a window's end reduces them once.
 
@@ -28,10 +28,10 @@ import keras
 from tfaccum import items as said_items
 from tfaccum import reduction as reductions
 from tfaccum.backend.jax import _keras_on_jax
-from tfaccum.backend.jax import parallel
-from tfaccum.backend.jax.parallel import BATCH
-from tfaccum.backend.jax.parallel import SHARED
-from tfaccum.backend.jax.parallel import SPLIT
+from tfaccum.backend.jax.devices import BATCH
+from tfaccum.backend.jax.devices import OneDevice
+from tfaccum.backend.jax.devices import SHARED
+from tfaccum.backend.jax.devices import SPLIT
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
 from tfaccum.counts import WINDOW_COUNTS
@@ -69,7 +69,7 @@ class CompiledSteps:
         observers: The hook's `WindowObserver`s (`tfaccum.observing`).
         jit: Whether to compile (`False` under `run_eagerly=True` or
             `jit_compile=False`, on one device).
-        devices: Where the step runs (`parallel.for_distribution`).
+        devices: Where the step runs (`devices.for_distribution`).
     """
 
     def __init__(self, model, reduction, observers=(), jit=True, devices=None):
@@ -78,7 +78,7 @@ class CompiledSteps:
         # Whether a step said a tensor count (`count_items()`): the host checks it.
         self.says_counts = False
         self.observers = tuple(observers)
-        self.devices = devices or parallel.OneDevice()
+        self.devices = devices or OneDevice()
         # Norms of the gradients of mean losses: a summed loss's are divided.
         self._sums = isinstance(reduction, reductions.Sum)
         # One device's share run outside `jit` runs op by op over the mesh

@@ -1,7 +1,7 @@
 """TensorFlow's side of tfaccum (Keras 3 on TensorFlow, and tf_keras).
 
 The core: the step (`step`, `accumulating_step`), its window (`window`,
-`accumulators`, `counter_variable`, `gradients`), its end (`replication`,
+`accumulators`, `counter_variable`, `gradients`), its end (`devices`,
 `sources`, `host_ends`), its installation and rollback (`installation`,
 `rollback`), the observers' states (`observer_states`), the dashboard's rows (`summary`)
 and the private Keras and TensorFlow names they read (`_keras_on_tf`).

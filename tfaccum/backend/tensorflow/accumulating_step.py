@@ -2,7 +2,7 @@
 
 The model's own `train_step` runs under a `StepTracer`, which hands its
 gradients over as one `MicroBatch`; `AccumulatingStep` adds it to the window
-state (or leaves it out, non-finite) and lets the replication end a full
+state (or leaves it out, non-finite) and lets the devices' window end end a full
 window, whose source is the accumulators (`sources.AccumulatedGradients`).
 `gradient_cache.CachingStep` is the other kind of step; a hook chooses one.
 """
@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
-from tfaccum.backend.tensorflow import replication
+from tfaccum.backend.tensorflow.devices import for_model
 from tfaccum.backend.tensorflow.observer_states import tell
 from tfaccum.backend.tensorflow.sources import AccumulatedGradients
 from tfaccum.backend.tensorflow.step import StepTracer
@@ -46,7 +46,7 @@ class AccumulatingStep:
             weight_in_loss=api.scales_loss_in_step
             and not _keras_on_tf.scales_loss_dynamically(model.optimizer),
             loss_share=state.loss_share, on_micro_batch=self._micro_step)
-        self.replication = replication.for_model(
+        self.devices = for_model(
             model, state, self.tracer.apply_gradients, observers,
             skip_nonfinite=skip_nonfinite, source=AccumulatedGradients(state))
 
@@ -60,7 +60,7 @@ class AccumulatingStep:
 
     def _micro_step(self, micro):
         """Adds a `MicroBatch` to the window (or leaves it out); ends a full window."""
-        state, replicas, model = self.state, self.replication, self.model
+        state, replicas, model = self.state, self.devices, self.model
         self.configuration.reduction.check(model)
         replicas.check(micro)
         state.track(micro, replicas.create)

@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow import precision
 from tfaccum.backend.tensorflow.counter_variable import CounterVariable
-from tfaccum.backend.tensorflow.replication import variable_options
+from tfaccum.backend.tensorflow.devices import variable_options
 
 
 class DenseAccumulator:

@@ -6,7 +6,7 @@ callback's epoch bookkeeping).
 
 A micro-step flows one way: the step tracer (`step.py`) hands a `MicroBatch`
 to the hook, which adds it to (or leaves it out of) the window state
-(`window.py`); the replication (`replication.py`) ends a full window, the
+(`window.py`); the devices (`devices.py`) ends a full window, the
 optimizer applies it, and the observers see an `Update`.
 """
 
@@ -112,11 +112,11 @@ class AccumulationHook(HookFront):
                 model, self.state, self.observers, configuration,
                 skip_nonfinite=self.skip_nonfinite,
                 original_train_step=lambda: self.installation.original_train_step())
-        self._replication = self._step.replication
-        self._ends = HostEnds(model, self._replication)
+        self._devices = self._step.devices
+        self._ends = HostEnds(model, self._devices)
         self.installation = ModelInstallation(model, self._train_step, self)
         self._rollback = StepRollback(model)
-        self._replication.prepare()
+        self._devices.prepare()
         self.state.create_ahead(model, api)
         self.set_accumulation_steps(accumulation_steps)
         self._install()
@@ -134,7 +134,7 @@ class AccumulationHook(HookFront):
 
     def _zero(self):
         self.state.zero()
-        self._replication.zero()
+        self._devices.zero()
 
     # -- configuration ----------------------------------------------------
 

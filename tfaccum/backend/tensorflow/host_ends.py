@@ -1,6 +1,6 @@
 """Window ends the host asks for: `flush()`, `drop()` and reading what is pending.
 
-Each runs a graph of the replication's (`flush_graph`, `drop_graph`,
+Each runs a graph of the devices' (`flush_graph`, `drop_graph`,
 `pending_graph`) outside the train step: on one device op by op the first
 `EAGER_HOST_ENDS` times, then traced once and reused.
 """
@@ -19,12 +19,12 @@ class HostEnds:
 
     Args:
         model: The compiled model.
-        replication: The hook's `OneDevice` or `Replicas`.
+        devices: The hook's `OneDevice` or `SeveralDevices`.
     """
 
-    def __init__(self, model, replication):
+    def __init__(self, model, devices):
         self.model = model
-        self.replication = replication
+        self.devices = devices
         self._functions = {}
         self._runs = {}
 
@@ -39,7 +39,7 @@ class HostEnds:
         """
         runs = self._runs[name] = self._runs.get(name, 0) + 1
         if self.model.run_eagerly or (
-                self.replication.ends_eagerly and runs <= EAGER_HOST_ENDS):
+                self.devices.ends_eagerly and runs <= EAGER_HOST_ENDS):
             function = graph
         else:
             if name not in self._functions:
@@ -53,22 +53,22 @@ class HostEnds:
 
     def pending(self):
         """The open window as a `Window` (summed over replicas)."""
-        return self.replication.pending(self.run)
+        return self.devices.pending(self.run)
 
     def flush(self):
         """Applies the open window, if any; the `Window` applied."""
         if not self._anything_pending():
             return Window(0, 0)
-        return self.run("flush", self.replication.flush_graph)
+        return self.run("flush", self.devices.flush_graph)
 
     def drop(self):
         """Discards the open window, if any; the `Window` discarded."""
         if not self._anything_pending():
             return Window(0, 0)
-        return self.run("drop", self.replication.drop_graph)
+        return self.run("drop", self.devices.drop_graph)
 
     def _anything_pending(self):
         # A host read of the counts: an empty window (an epoch that ended on
         # a window's end) neither traces nor runs the window-end graph.
         # Every worker reads the same total, so all skip it or none.
-        return self.replication.traced and self.pending().micro_batches > 0
+        return self.devices.traced and self.pending().micro_batches > 0

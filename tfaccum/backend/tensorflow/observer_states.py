@@ -5,7 +5,7 @@ state that a micro-step, an update or a reset changes; here each entry is a
 variable, read only when the observer reads it and written only when it
 changed, so an observer costs the step no more ops than one that kept
 variables of its own. Nothing is mirrored across replicas: with several,
-each machine's observers see its first replica (`replication`).
+each machine's observers see its first replica (`devices.py`).
 """
 
 import collections.abc

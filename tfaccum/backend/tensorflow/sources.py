@@ -1,6 +1,6 @@
 """Where a window's gradients come from when it ends.
 
-The window's end (`replication.py`) is one function for every model: it asks
+The window's end (`devices.py`) is one function for every model: it asks
 its source for the gradients to apply, applies them, tells the observers and
 resets. A source answers, once per window (`prepare`, in the cross-replica
 context with several replicas), then on each replica (`gradients`, `loss`):

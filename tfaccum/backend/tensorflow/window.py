@@ -158,7 +158,7 @@ class WindowState:
         with tf.init_scope(), model.distribute_strategy.scope():
             api.build_optimizer(model.optimizer, model.trainable_variables)
             self.accumulators.create_dense(model.trainable_variables, provisional=True)
-            # Replicas made theirs dense for good (`prepare`): no rows there.
+            # SeveralDevices made theirs dense for good (`prepare`): no rows there.
             self.accumulators.create_rows(_keras_on_tf.embedding_tables(model))
 
     def _weighs_items(self, every_sample_counts):

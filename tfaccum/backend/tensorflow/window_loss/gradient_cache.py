@@ -26,8 +26,8 @@ import re
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow import replication
-from tfaccum.backend.tensorflow.replication import variable_options
+from tfaccum.backend.tensorflow.devices import for_model
+from tfaccum.backend.tensorflow.devices import variable_options
 from tfaccum.backend.tensorflow.step import count_samples
 from tfaccum.backend.tensorflow.step import StepError
 
@@ -261,7 +261,7 @@ class CachingStep:
     Takes the place of the hook's step tracer (the model's `train_step` is
     Keras' own, run here in two halves): each micro-step runs the forward pass
     and keeps it in the window's `WindowBuffers`; a full window ends through
-    the replication, whose source is a `CachedGradients`.
+    the devices' window end, whose source is a `CachedGradients`.
 
     Args:
         model: The compiled model (its loss a `WindowLoss`).
@@ -280,7 +280,7 @@ class CachingStep:
 
         # Nothing is left out: under a LossScaleOptimizer the optimizer skips a
         # non-finite window, as the large batch's step.
-        self.replication = replication.for_model(
+        self.devices = for_model(
             model, state, apply_gradients, observers, skip_nonfinite=False, source=self.cache)
 
     @tf.autograph.experimental.do_not_convert
@@ -298,15 +298,15 @@ class CachingStep:
         samples = count_samples(data)
         parts = dict(x=x, y=y, sample_weight=sample_weight, y_pred=y_pred, seeds=seeds)
         if cache.buffers is None:
-            self.replication.create(lambda *_: cache.make_buffers(parts))
+            self.devices.create(lambda *_: cache.make_buffers(parts))
         cache.buffers.check(parts, model.name)
         cache.buffers.append(parts, samples)
         counts = self.state.counts
         totals = (dict(samples=samples, items=samples)
-                  if self.replication.totals_per_micro_batch else {})
+                  if self.devices.totals_per_micro_batch else {})
         counts.add(counts.delta(micro_steps=1, window_micro_batches=1, window_samples=samples,
                                 window_items=samples, **totals))
-        self.replication.after_micro_step()  # ends a full window
+        self.devices.after_micro_step()  # ends a full window
         return _keras_on_tf.metrics_result(model)
 
     def _check_traced(self, x, y_pred, forward):

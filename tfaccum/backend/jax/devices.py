@@ -25,7 +25,7 @@ SHARED, SPLIT, BATCH = "shared", "split", "batch"
 
 def for_distribution(distribution):
     """The devices a step runs on under `distribution` (`None`: one device)."""
-    return OneDevice() if distribution is None else DataParallel(distribution)
+    return OneDevice() if distribution is None else SeveralDevices(distribution)
 
 
 class OneDevice:
@@ -60,7 +60,7 @@ class OneDevice:
         return np.asarray(split)
 
 
-class DataParallel(OneDevice):
+class SeveralDevices(OneDevice):
     """The devices of `keras.distribution.DataParallel`'s mesh, along its batch axis.
 
     Args:
@@ -73,7 +73,7 @@ class DataParallel(OneDevice):
         self.shares = int(self.mesh.shape[self.axis])
 
     def __repr__(self):
-        return f"DataParallel(devices={self.shares}, axis={self.axis!r})"
+        return f"SeveralDevices(devices={self.shares}, axis={self.axis!r})"
 
     def batch_sharding(self):
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.axis))

@@ -19,7 +19,7 @@ from tfaccum.counts import Window
 def variable_options(strategy):
     """`(synchronization, aggregation)` for an accumulator under `strategy`.
 
-    Replicas (one or several, under a strategy) keep one each, summed when
+    SeveralDevices (one or several, under a strategy) keep one each, summed when
     read across them; without a strategy a plain variable.
     """
     if _keras_on_tf.under_strategy(strategy):
@@ -28,8 +28,8 @@ def variable_options(strategy):
 
 
 def for_model(model, state, applier, observers, *, skip_nonfinite, source):
-    """`OneDevice` without a strategy, `Replicas` under one (even of one replica)."""
-    cls = Replicas if _keras_on_tf.under_strategy(model.distribute_strategy) else OneDevice
+    """`OneDevice` without a strategy, `SeveralDevices` under one (even of one replica)."""
+    cls = SeveralDevices if _keras_on_tf.under_strategy(model.distribute_strategy) else OneDevice
     return cls(model, state, applier, observers, skip_nonfinite=skip_nonfinite, source=source)
 
 
@@ -204,7 +204,7 @@ class OneDevice:
         return window["window_micro_batches"], window["window_samples"]
 
 
-class Replicas(OneDevice):
+class SeveralDevices(OneDevice):
     """Several replicas (one machine or several): the window ends in the cross-replica context.
 
     Keras' optimizer calls `merge_call`, which a `tf.cond` in a replica
