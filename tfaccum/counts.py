@@ -106,7 +106,8 @@ class HostCounts:
         for name, value in counts.items():
             self.values[name] += value
 
-    def end_window(self):
+    def clear_window(self):
+        """Zeroes the window's counts (a window was applied, flushed or dropped)."""
         for name in WINDOW_COUNTS:
             self.values[name] = 0
 

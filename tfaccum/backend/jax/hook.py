@@ -210,7 +210,7 @@ class AccumulationHook(HookFront):
         window = {name: self.counts.values[name] for name in WINDOW_COUNTS}
         window["window_items"] = self._window_items  # on the device, not read here
         self.counts.add(optimizer_steps=1)
-        self.counts.end_window()
+        self.counts.clear_window()
         self._iterations += 1
         for observer in self.observers:
             observer.after_apply(self._iterations, window, self.counts.values)
@@ -248,7 +248,7 @@ class AccumulationHook(HookFront):
         window = self.pending
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
-            self.counts.end_window()
+            self.counts.clear_window()
             self.counts.items = self.counts.items.at[..., 0].set(0)  # the window's items
             for observer in self.observers:
                 self.set_observer_state(observer, observer.on_reset(observer.state()))

@@ -121,7 +121,7 @@ class OneDevice:
         return self.apply_window(window, self.source.prepare(window), **extra_counts)
 
     def _skip(self, window):
-        self._api.count_skipped_update(self._optimizer)
+        self._api.count_nonfinite_window(self._optimizer)
         self._reset(window, window)
         return tf.constant(False)
 
@@ -367,7 +367,7 @@ class SeveralDevices(OneDevice):
 
     def _skip_on_replicas(self, window):
         """Every share of every micro-batch was left out: no update."""
-        self._api.count_skipped_update(self._optimizer)
+        self._api.count_nonfinite_window(self._optimizer)
         _keras_on_tf.for_each_replica(self.strategy, self._skip_on_replica, args=(window,))
         return tf.constant(False)
 

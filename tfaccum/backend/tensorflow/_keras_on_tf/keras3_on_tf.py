@@ -99,8 +99,8 @@ class Keras3OnTf(Keras3):
 
 
     @staticmethod
-    def count_skipped_update(optimizer):
-        """A skipped (all non-finite) update is not counted in Keras 3."""
+    def count_nonfinite_window(optimizer):
+        """A window whose gradients were all non-finite: Keras 3 counts no iteration."""
 
 
     @staticmethod

@@ -98,8 +98,9 @@ class TfKeras:
         return None  # `minimize()` hands over unscaled gradients
 
     @staticmethod
-    def count_skipped_update(optimizer):
-        """tf_keras' LossScaleOptimizer counts a step it skips in `iterations`."""
+    def count_nonfinite_window(optimizer):
+        """A window whose gradients were all non-finite: tf_keras' LossScaleOptimizer
+        counts the step it skips in `iterations`."""
         if scales_loss_dynamically(optimizer):
             optimizer.iterations.assign_add(1)
 
