@@ -11,6 +11,7 @@ model and the arguments were checked here), `installation` (its
 
 from tfaccum import _keras
 from tfaccum import checks
+from tfaccum import observing
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
@@ -70,10 +71,7 @@ class HookFront:
         """
         checks.check_reinstallable(self.can_reinstall(), self.model)
         self._zero()
-        for observer in self.observers:  # the window is emptied, on the host
-            changed = observer.on_reset(observer.state())
-            if changed:
-                self.set_observer_state(observer, changed)
+        observing.tell(self.observers, "on_reset")  # the window is emptied, on the host
         self._install()
 
     def remove(self):

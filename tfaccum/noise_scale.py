@@ -119,7 +119,7 @@ class NoiseScaleEstimator(WindowObserver):
     Example:
 
     ```python
-    callback = tfaccum.GradientAccumulationCallback(8, noise_scale=True)
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=8, noise_scale=True)
     model.fit(x, y, batch_size=16, callbacks=[callback])
     callback.noise_scale, callback.suggested_accumulation_steps
     ```

@@ -153,3 +153,13 @@ class WindowObserver:
         """This observer's state now (`None` before its hook made it)."""
         return None if self.hook is None else self.hook.observer_state(self)
 
+
+def tell(observers, method, *records):
+    """Calls `method` of each observer with its state and `records`; its hook
+    keeps the entries it changed. Inside a traced step (TensorFlow) or on the
+    host; JAX's compiled step merges the entries into the state it carries."""
+    for observer in observers:
+        changed = getattr(observer, method)(observer.state(), *records)
+        if changed:
+            observer.hook.set_observer_state(observer, changed)
+

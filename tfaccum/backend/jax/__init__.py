@@ -4,8 +4,8 @@
 (the compiled functions: accumulate, normalize, apply), `devices.py` (one
 device, or `keras.distribution.DataParallel`'s devices, each with its own
 partial sums), `installation.py` (the train function swapped in),
-`summary.py` (the dashboard's series) and `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is
-what the callback asks.
+`summary.py` (the dashboard's series) and `_keras_on_jax.py` (what the JAX
+trainer is read for). `BACKEND` is what the callback asks.
 """
 
 from tfaccum.backend import Backend

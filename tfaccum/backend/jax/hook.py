@@ -19,6 +19,7 @@ from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax.devices import for_distribution
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.observing import WindowObserver
+from tfaccum.observing import tell
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
@@ -250,8 +251,7 @@ class AccumulationHook(HookFront):
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.clear_window()
             self.counts.items = self.counts.items.at[..., 0].set(0)  # the window's items
-            for observer in self.observers:
-                self.set_observer_state(observer, observer.on_reset(observer.state()))
+            tell(self.observers, "on_reset")
         return window
 
 

@@ -2,8 +2,8 @@
 
 The model's own `train_step` runs under a `StepTracer`, which hands its
 gradients over as one `MicroBatch`; `AccumulatingStep` adds it to the window
-state (or leaves it out, non-finite) and lets the devices' window end end a full
-window, whose source is the accumulators (`sources.AccumulatedGradients`).
+state (or leaves it out, non-finite) and lets its devices (`devices.py`) end a
+full window, whose source is the accumulators (`sources.AccumulatedGradients`).
 `gradient_cache.CachingStep` is the other kind of step; a hook chooses one.
 """
 
@@ -12,9 +12,9 @@ import tensorflow as tf
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow.devices import for_model
-from tfaccum.backend.tensorflow.observer_states import tell
 from tfaccum.backend.tensorflow.sources import AccumulatedGradients
 from tfaccum.backend.tensorflow.step import StepTracer
+from tfaccum.observing import tell
 
 
 class AccumulatingStep:

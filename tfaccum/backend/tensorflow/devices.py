@@ -11,15 +11,15 @@ hook hold no replica branch.
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.observer_states import tell
 from tfaccum.backend.tensorflow.observer_states import observed_update
 from tfaccum.counts import Window
+from tfaccum.observing import tell
 
 
 def variable_options(strategy):
     """`(synchronization, aggregation)` for an accumulator under `strategy`.
 
-    SeveralDevices (one or several, under a strategy) keep one each, summed when
+    Replicas (one or several, under a strategy) keep one each, summed when
     read across them; without a strategy a plain variable.
     """
     if _keras_on_tf.under_strategy(strategy):

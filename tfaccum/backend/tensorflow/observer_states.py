@@ -43,14 +43,6 @@ class ObserverStates:
             variables[name].assign(value)
 
 
-def tell(observers, method, *records):
-    """Calls `method` of each observer with its state and `records`, inside the step."""
-    for observer in observers:
-        changed = getattr(observer, method)(observer.state(), *records)
-        if changed:
-            observer.hook.set_observer_state(observer, changed)
-
-
 class _Reads(collections.abc.Mapping):
     """Variables read once each, when first looked up."""
 

@@ -158,7 +158,8 @@ class WindowState:
         with tf.init_scope(), model.distribute_strategy.scope():
             api.build_optimizer(model.optimizer, model.trainable_variables)
             self.accumulators.create_dense(model.trainable_variables, provisional=True)
-            # SeveralDevices made theirs dense for good (`prepare`): no rows there.
+            # Under a strategy `SeveralDevices.prepare` made them dense for good:
+            # no rows there.
             self.accumulators.create_rows(_keras_on_tf.embedding_tables(model))
 
     def _weighs_items(self, every_sample_counts):

@@ -233,7 +233,8 @@ class WindowedMoments:
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
 
         def moments(count, total, squares):
-            count, mean, m2 = moment_pooling.from_sums(tf.maximum(count, 1.0), total, squares, tf.math)
+            count, mean, m2 = moment_pooling.from_sums(
+                tf.maximum(count, 1.0), total, squares, tf.math)
             return (count, *moment_pooling.mean_and_variance(count, mean, m2, tf.math))
 
         return moments(*sums), moments(*reduced)
