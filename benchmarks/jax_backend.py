@@ -27,6 +27,10 @@ Variants:
   keras      Keras' Adam(gradient_accumulation_steps=4)
   tfaccum    GradientAccumulationCallback(accumulation_steps=4), defaults
   no-noise   the same with noise_scale=False (the noise scale's cost)
+  bfloat16   tfaccum with accumulator_dtype="bfloat16"
+
+The last column is each variant's training loss in its last epoch, over
+tfaccum's (float32 accumulators) in the same round.
 """
 
 import argparse
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "keras", "tfaccum", "no-noise")
+VARIANTS = ("plain", "keras", "tfaccum", "no-noise", "bfloat16")
 
 
 def run_variant(variant, args):
@@ -78,13 +82,15 @@ def run_variant(variant, args):
 
     times = EpochTimes()
     callbacks = [times]
-    if variant in ("tfaccum", "no-noise"):
+    if variant in ("tfaccum", "no-noise", "bfloat16"):
         callbacks.insert(0, tfaccum.GradientAccumulationCallback(
-            accumulation_steps=args.steps, noise_scale=None if variant == "tfaccum" else False))
-    model.fit(x, y, batch_size=args.micro, epochs=args.epochs, shuffle=False, verbose=0,
-              callbacks=callbacks)
+            accumulation_steps=args.steps, noise_scale=False if variant == "no-noise" else None,
+            accumulator_dtype="bfloat16" if variant == "bfloat16" else "float32"))
+    history = model.fit(x, y, batch_size=args.micro, epochs=args.epochs, shuffle=False,
+                        verbose=0, callbacks=callbacks)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"rss": rss, "epoch": statistics.mean(times.times[1:]),
+                      "loss": history.history["loss"][-1],
                       "weights": weights, "tensorflow": "tensorflow" in sys.modules}))
 
 
@@ -124,6 +130,7 @@ def main():
     memory = {v: [] for v in VARIANTS[1:]}
     speed = {v: [] for v in VARIANTS[1:]}
     seconds = {v: [] for v in VARIANTS}
+    losses = {v: [] for v in VARIANTS}
     weights, tensorflow = None, set()
     for _ in range(args.repeats):
         order = list(VARIANTS)
@@ -132,6 +139,7 @@ def main():
         weights = results["plain"]["weights"]
         for variant, result in results.items():
             seconds[variant].append(result["epoch"])
+            losses[variant].append(result["loss"] / results["tfaccum"]["loss"])
             if result["tensorflow"]:
                 tensorflow.add(variant)
         for variant in VARIANTS[1:]:
@@ -144,12 +152,12 @@ def main():
           f"median (min-max) of "
           f"{args.repeats} rounds of fresh processes")
     print("| variant | extra peak RSS over plain (parameter bytes) | epoch time / plain's "
-          "| epoch (s) |")
-    print("|---|---:|---:|---:|")
-    print(f"| plain | - | 1 | {spread(seconds['plain'])} |")
+          "| epoch (s) | last loss / tfaccum's |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| plain | - | 1 | {spread(seconds['plain'])} | {spread(losses['plain'])} |")
     for variant in VARIANTS[1:]:
         print(f"| {variant} | {spread(memory[variant])} | {spread(speed[variant])} "
-              f"| {spread(seconds[variant])} |")
+              f"| {spread(seconds[variant])} | {spread(losses[variant])} |")
     if tensorflow:
         print(f"TensorFlow was imported by: {sorted(tensorflow)}")
 

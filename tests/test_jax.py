@@ -48,7 +48,6 @@ def refused_then_plain(build, x, y, match, **callback_kwargs):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"skip_nonfinite": True}, "skip_nonfinite=True"),
-    ({"accumulator_dtype": "bfloat16"}, "accumulator_dtype='bfloat16'"),
 ])
 def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match):
     x, y = make_data(n=32)

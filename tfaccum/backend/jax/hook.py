@@ -7,6 +7,8 @@ host counts the window and picks a compiled step for each micro-batch
 step and updated in place.
 """
 
+import random
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from tfaccum import items as said_items
 from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.backend.jax.devices import for_distribution
 from tfaccum.backend.jax.installation import ModelInstallation
+from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import WindowObserver
 from tfaccum.observing import tell
 from tfaccum.backend.jax.step import CompiledSteps
@@ -51,9 +54,12 @@ class AccumulationHook(HookFront):
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch
         self._observed = None  # the observers' device states, likewise
+        # Seeded by `keras.utils.set_random_seed` (Python's generator): the
+        # bfloat16 roundings are drawn from it.
+        rounding = Rounding(configuration.accumulator_dtype, seed=random.getrandbits(31))
         self._compiled = CompiledSteps(model, self.reduction, self.observers,
                                        jit=model.jit_compile and not model.run_eagerly,
-                                       devices=self.devices)
+                                       devices=self.devices, rounding=rounding)
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -145,7 +151,8 @@ class AccumulationHook(HookFront):
             return logs, state
         samples = _keras_on_jax.batch_size(data)
         if self._accumulators is None:
-            self._accumulators = [self.devices.zeros(v.shape, "float32") for v in state[0]]
+            dtype = self.configuration.accumulator_dtype
+            self._accumulators = [self.devices.zeros(v.shape, dtype) for v in state[0]]
         if self._observed is None:
             self._observed = tuple(observer.initial() for observer in self.observers)
         counts = self.counts
@@ -192,7 +199,9 @@ class AccumulationHook(HookFront):
             raise
 
     def _window_vector(self):
-        return jnp.asarray(self.counts.window_values(), jnp.int32)
+        """The open window's counts, then the micro-step's number (`step.STEP`)."""
+        return jnp.asarray(self.counts.window_values() + [self.counts.values["micro_steps"]],
+                           jnp.int32)
 
     def _apply(self, trainable, optimizer_variables):
         """Applies the open window: normalised in place, then the optimizer's update
@@ -267,9 +276,6 @@ def check_served(model, configuration, observers):
         refuse("skip_nonfinite=True", "Leave skip_nonfinite=None.")
     if keras_models.scales_loss_dynamically(model.optimizer):
         refuse("a LossScaleOptimizer (mixed_float16)", "Use mixed_bfloat16 or float32.")
-    if configuration.accumulator_dtype != "float32":
-        refuse(f"accumulator_dtype={configuration.accumulator_dtype!r}",
-               "Use accumulator_dtype=\"float32\".")
     distribution = _keras_on_jax.distribution()
     if distribution is not None:
         if not _keras_on_jax.data_parallel(distribution):

@@ -32,9 +32,14 @@ from tfaccum.backend.jax.devices import BATCH
 from tfaccum.backend.jax.devices import OneDevice
 from tfaccum.backend.jax.devices import SHARED
 from tfaccum.backend.jax.devices import SPLIT
+from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
 from tfaccum.counts import WINDOW_COUNTS
+
+
+# Where the window vector a step receives holds the micro-step's number, after its counts.
+STEP = len(WINDOW_COUNTS)
 
 
 def window_counts(vector):
@@ -70,11 +75,13 @@ class CompiledSteps:
         jit: Whether to compile (`False` under `run_eagerly=True` or
             `jit_compile=False`, on one device).
         devices: Where the step runs (`devices.for_distribution`).
+        rounding: How the accumulators store their sums (`precision.Rounding`).
     """
 
-    def __init__(self, model, reduction, observers=(), jit=True, devices=None):
+    def __init__(self, model, reduction, observers=(), jit=True, devices=None, rounding=None):
         self.model = model
         self.reduction = reduction
+        self.rounding = rounding or Rounding("float32")
         # Whether a step said a tensor count (`count_items()`): the host checks it.
         self.says_counts = False
         self.observers = tuple(observers)
@@ -105,7 +112,8 @@ class CompiledSteps:
         Args:
             items: `[window_items, items]` counted so far (on the device; one
                 entry per device under `DataParallel`).
-            open_window: The window's host counts before it (`WINDOW_COUNTS`).
+            open_window: The window's host counts before it (`WINDOW_COUNTS`),
+                then the micro-step's number (`STEP`).
             samples: Its samples.
         """
         model = self.model
@@ -180,8 +188,9 @@ class CompiledSteps:
         restart = open_window[0] == 0
         if self.reduction.counts_items:
             restart = restart | ((open_window[2] <= 0) & (added > 0))
-        accumulators = [jnp.where(restart, 0.0, a) + g.astype(a.dtype)
-                        for a, g in zip(accumulators, grads)]
+        accumulators = self.rounding.store(
+            [jnp.where(restart, 0.0, a.astype(jnp.float32)) + g.astype(jnp.float32)
+             for a, g in zip(accumulators, grads)], open_window[STEP], devices.index())
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "mean_square": mean_square,
                  "added": added,
@@ -229,10 +238,13 @@ class CompiledSteps:
                                         counts)
             if kept is not True:
                 accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
-        accumulators = [total(a) for a in accumulators]  # the devices' sums: once a window
+        # The devices' sums: once a window.
+        accumulators = [total(a.astype(jnp.float32)) for a in accumulators]
         denominator = self.reduction.denominator(counts)
         if denominator is not None:
             accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
+        # Every device rounds alike: each applies the same update.
+        accumulators = self.rounding.store(accumulators, window[STEP])
         if self.observers:
             squares = [squared_norm([a]) for a in accumulators]
             square = mean_square = sum(squares)
