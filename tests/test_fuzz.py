@@ -105,9 +105,7 @@ def cases(draw):
         class_weight = tuple(draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=CLASSES,
                                            max_size=CLASSES)))
     poisoned = frozenset()
-    # Skipping non-finite micro-batches is TensorFlow's (refused on JAX:
-    # test_jax.py::test_what_jax_does_not_serve_yet_is_refused_by_name).
-    skip_nonfinite = draw(st.sampled_from([None, True] if BACKEND == "tensorflow" else [None]))
+    skip_nonfinite = draw(st.sampled_from([None, True]))
     if skip_nonfinite:
         poisoned = frozenset(draw(st.sets(st.integers(0, count - 1), max_size=2)))
         for index in poisoned:  # the NaN goes to an unmasked token

@@ -46,20 +46,6 @@ def refused_then_plain(build, x, y, match, **callback_kwargs):
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"skip_nonfinite": True}, "skip_nonfinite=True"),
-])
-def test_what_jax_does_not_serve_yet_is_refused_by_name(tmp_path, kwargs, match):
-    x, y = make_data(n=32)
-    refused_then_plain(model_builder(), x, y, match, **kwargs)
-
-
-def test_a_loss_scale_optimizer_is_refused_by_name(mixed_precision):
-    # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer.
-    x, y = make_data(n=32)
-    refused_then_plain(model_builder("sgd"), x, y, "LossScaleOptimizer")
-
-
 @pytest.mark.parametrize("make", [
     lambda: tfaccum.InBatchSoftmax(), lambda: tfaccum.NTXent(),
     lambda: tfaccum.WindowLoss(lambda y_true, y_pred: y_pred[:, 0])],
@@ -257,7 +243,8 @@ def regularized_sequence_model():
 # -- several devices: keras.distribution.DataParallel --------------------------------
 
 
-def data_parallel(build, x, y, *, micro, steps, epochs=1, sample_weight=None, **callback_kwargs):
+def data_parallel(build, x, y, *, micro, steps, epochs=1, sample_weight=None, left_out=(),
+                  **callback_kwargs):
     """tfaccum under `DataParallel` on the two CPU devices (conftest.py), against
     plain Keras on one device at the global window."""
     from reference import Comparison
@@ -268,7 +255,8 @@ def data_parallel(build, x, y, *, micro, steps, epochs=1, sample_weight=None, **
         model = build()
         ours, callback = fit_accumulated(model, x, y, micro=micro, steps=steps, epochs=epochs,
                                          callback=callback, sample_weight=sample_weight)
-    updates = windows(len(x), micro, steps, epochs, callback_kwargs.get("leftover", "flush"))
+    updates = windows(len(x), micro, steps, epochs, callback_kwargs.get("leftover", "flush"),
+                      left_out=left_out)
     reference = build()
     theirs = train_large_batches(reference, x, y, updates, sample_weight=sample_weight)
     return Comparison(model=model, reference=reference, callback=callback, ours=ours,
@@ -350,10 +338,10 @@ def test_data_parallel_reduces_gradients_once_per_update():
                                      optimizer_variables=True, metrics_variables=True)
         data = jax.device_put((x[:8], y[:8]), hook.devices.batch_sharding())
         micro = compiled_text(steps.accumulate, state, hook._accumulators, hook._observed,
-                              hook.counts.items, data, hook._window_vector(),
+                              hook.counts.on_device, data, hook._window_vector(),
                               np.int32(8))
         end = compiled_text(steps.normalize, hook._accumulators, hook._observed,
-                            hook.counts.items, hook._window_vector())
+                            hook.counts.on_device, hook._window_vector())
         keras_step = compiled_text(jax.jit(model.train_step), state, data)
         tfaccum.remove_accumulation_hook(model)
     assert all_reduced_elements(micro) <= 8
@@ -452,8 +440,8 @@ def test_a_keras_hub_gpt2_under_data_parallel():
 
 
 def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch():
-    # skip_nonfinite stays off on JAX: under DataParallel too the NaN reaches
-    # the update where the large batch's does, and nowhere else (one device:
+    # Without skip_nonfinite, under DataParallel too the NaN reaches the update
+    # where the large batch's does, and nowhere else (one device:
     # test_degenerate.py).
     x, y = make_data(n=48)
     x[29, 2] = np.nan  # the second window's second micro-batch
@@ -465,3 +453,43 @@ def test_nan_in_one_micro_batch_spoils_its_window_as_it_spoils_the_large_batch()
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, equal_nan=True)
     assert np.isfinite(np.concatenate([w.ravel() for w in result.ours[0]])).all()
     assert not np.isfinite(np.concatenate([w.ravel() for w in result.ours[1]])).all()
+
+
+@pytest.mark.parametrize("reduction", ["auto", "samples", "mean"])
+def test_data_parallel_leaves_a_non_finite_micro_batch_out_whole(reduction):
+    # Samples 28-31, the second device's share of the fourth micro-batch, hold
+    # a NaN: both devices leave that micro-batch out (TensorFlow's replicas
+    # leave out their own shares: test_distribution.py), and its window
+    # divides by what was kept.
+    x, y = make_data(n=48)
+    x[29, 2] = np.nan
+    result = data_parallel(model_builder("adam"), x, y, micro=8, steps=3, epochs=2,
+                           left_out=[(0, 3), (1, 3)], reduction=reduction, skip_nonfinite=True)
+    assert len(result.ours) == len(result.theirs) == 4
+    assert result.diff < TOL
+    assert result.moved(model_builder("adam")) > 1e-2
+    counters = result.callback.counters
+    assert (counters.nonfinite_skips, counters.samples, counters.optimizer_steps) == (2, 80, 4)
+
+
+def test_a_window_left_out_whole_makes_no_update_and_no_dashboard_point(tmp_path):
+    from test_plugin import client_for
+    from test_plugin import get_json
+
+    x, y = make_data(n=72)  # micro-batches of 8, windows of 3: 3 windows an epoch
+    x[24:48, 1] = np.inf  # the second window's three micro-batches
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=3, skip_nonfinite=True,
+                                                    log_dir=str(tmp_path / "run"))
+    model = model_builder("adam")()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert (callback.optimizer_steps, callback.nonfinite_skips, callback.samples) == (4, 6, 96)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    reference = model_builder("adam")()
+    keep = np.r_[0:24, 48:72]
+    reference.fit(x[keep], y[keep], batch_size=24, epochs=2, shuffle=False, verbose=0)
+    assert max_diff(model, reference) < TOL
+    body = get_json(client_for(tmp_path), "/series?run=run")
+    assert body["steps"] == [1, 2, 3, 4]
+    assert body["series"]["micro_steps"] == [3, 9, 12, 18]
+    assert body["series"]["nonfinite_skips"] == [0, 3, 3, 6]
+    assert body["series"]["window_samples"] == [24] * 4

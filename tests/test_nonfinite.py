@@ -12,10 +12,6 @@ from reference import max_weight_diff
 
 from tfaccum import GradientAccumulationCallback
 
-pytestmark = pytest.mark.backend(
-    "tensorflow",
-    reason="skip_nonfinite is refused by name on JAX (test_jax.py::test_what_jax_does_not_serve_yet_is_refused_by_name)")
-
 
 def poisoned_data(target=np.inf):
     """32 samples; the second micro-batch of 8 holds a target whose error's

@@ -214,9 +214,7 @@ def embedding_model(outputs=1):
 
 @pytest.mark.keras3
 @pytest.mark.parametrize("case", [
-    pytest.param("mixed_precision", marks=pytest.mark.backend(
-        "tensorflow", reason="mixed_float16's LossScaleOptimizer is refused by name on JAX "
-        "(test_jax.py::test_a_loss_scale_optimizer_is_refused_by_name)")),
+    "mixed_precision",
     "rows", "dense",
     pytest.param("two_outputs", marks=pytest.mark.backend(
         "tensorflow", reason="outputs counted apart are refused by name on JAX "

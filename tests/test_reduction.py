@@ -64,9 +64,9 @@ def test_it_weighs_as_the_built_in_one_it_rewrites():
         assert largest_update_diff(ours, built_in) < 1e-6, name
 
 
-@pytest.mark.backend("tensorflow", reason="tf.distribute replicas and skip_nonfinite: "
-                     "TensorFlow's (JAX's DataParallel is tested in test_jax.py; skip_nonfinite "
-                     "is refused there by name, test_jax.py)")
+@pytest.mark.backend("tensorflow", reason="tf.distribute replicas leave out their own shares "
+                     "(under JAX's DataParallel a micro-batch is left out whole: test_jax.py::"
+                     "test_data_parallel_leaves_a_non_finite_micro_batch_out_whole)")
 def test_with_two_replicas_and_a_left_out_share_it_is_refused_where_it_cannot_weigh():
     from reference import mirrored
 

@@ -233,8 +233,9 @@ CASES = {
     "mean_with_a_replicas_share_left_out": Case(
         _mirrored_model, r"cannot weigh", callback=dict(ACCUMULATE, reduction="mean",
                                                         skip_nonfinite=True),
-        tensorflow_only="two MirroredStrategy replicas and skip_nonfinite (refused on JAX: "
-                        "test_jax.py::test_what_jax_does_not_serve_yet_is_refused_by_name)"),
+        tensorflow_only="two MirroredStrategy replicas leave out their own shares (under JAX's "
+                        "DataParallel a micro-batch is left out whole: test_jax.py::"
+                        "test_data_parallel_leaves_a_non_finite_micro_batch_out_whole)"),
     "shared_batch_norm": Case(_shared_batch_norm, r"is called 2 times in one train step",
                               data=lambda: ([make_data(n=16)[0]] * 2, make_data(n=16)[1]),
                               tensorflow_only="AccumBatchNormalization (refused on JAX: test_jax.py"

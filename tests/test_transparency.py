@@ -168,8 +168,6 @@ def test_custom_summaries(tmp_path):
     assert custom_steps(tmp_path / "ours") == custom_steps(tmp_path / "plain") != []
 
 
-@pytest.mark.backend("tensorflow", reason="a LossScaleOptimizer is refused by name on JAX "
-                     "(test_jax.py::test_a_loss_scale_optimizer_is_refused_by_name)")
 def test_loss_scale_optimizer(mixed_precision):
     """Keras' default initial scale overflows this model's first steps: both skip them."""
     x, y = make_data()

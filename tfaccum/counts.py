@@ -75,11 +75,27 @@ class Counters:
         return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
 
 
+# What a backend whose host ends windows counts on the device: what only the
+# data tells (a micro-batch's items; whether its gradient was finite), so
+# that no micro-step waits for the device. The `*_left_out` ones correct the
+# host's counts: the samples of micro-batches left out (non-finite), and the
+# windows that held nothing else (no update was made).
+DEVICE_COUNTS = (
+    "window_items",
+    "items",
+    "window_nonfinite",
+    "nonfinite_skips",
+    "window_samples_left_out",
+    "samples_left_out",
+    "windows_left_out",
+)
+
+
 class HostCounts:
     """The counts of a backend whose host decides where windows end: host
-    integers, but for what the losses averaged over (`window_items`, `items`),
-    which the compiled step counts on the device (`items`: a vector of the
-    two) and a read fetches, so that no micro-step waits for the device.
+    integers, but for what the data decides (`DEVICE_COUNTS`), which the
+    compiled step counts on the device (`on_device`: a vector in that order)
+    and a read fetches.
 
     Args:
         devices: The backend's devices: `zeros(shape, dtype)` makes the
@@ -94,12 +110,19 @@ class HostCounts:
 
     def numpy(self):
         """The counts now, as `{name: int}` (one device read)."""
-        window_items, items = (int(value) for value in self.devices.read(self.items))
-        return dict(self.values, window_items=window_items, items=items)
+        device = dict(zip(DEVICE_COUNTS, (int(v) for v in self.devices.read(self.on_device))))
+        values = dict(self.values)
+        for name in ("window_items", "items", "window_nonfinite", "nonfinite_skips"):
+            values[name] = device[name]
+        values["window_samples"] -= device["window_samples_left_out"]
+        values["samples"] -= device["samples_left_out"]
+        values["optimizer_steps"] -= device["windows_left_out"]
+        return values
 
     def window_values(self):
-        """The open window's host counts, in `WINDOW_COUNTS`' order (its
-        `window_items` is the device's)."""
+        """The open window's host counts, in `WINDOW_COUNTS`' order (the step
+        takes `window_items`, `window_nonfinite` and the samples left out from
+        the device's)."""
         return [self.values[name] for name in WINDOW_COUNTS]
 
     def add(self, **counts):
@@ -107,14 +130,20 @@ class HostCounts:
             self.values[name] += value
 
     def clear_window(self):
-        """Zeroes the window's counts (a window was applied, flushed or dropped)."""
+        """Zeroes the window's counts on the host (a window was applied, flushed
+        or dropped; the step zeroes the device's)."""
         for name in WINDOW_COUNTS:
             self.values[name] = 0
 
     def zero(self):
         for name in self.values:
             self.values[name] = 0
-        self.items = self.devices.zeros((2,), "int32")
+        self.on_device = self.devices.zeros((len(DEVICE_COUNTS),), "int32")
+
+
+def device_index(name):
+    """Where `name` is in the device's vector of counts (`DEVICE_COUNTS`)."""
+    return DEVICE_COUNTS.index(name)
 
 
 def with_counter_properties(cls):

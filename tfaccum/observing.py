@@ -106,9 +106,11 @@ class WindowObserver:
     Host methods:
         on_install(hook): the hook was installed on its model (`self.hook`).
         on_uninstall(hook): the hook is being removed.
-        after_apply(iterations, window, counts): an update was made, where the
+        after_apply(iterations, window, counts): a window ended, where the
             backend ends windows on the host (JAX); TensorFlow ends them in the
-            step, where `Update.counts` tells them.
+            step, where `Update.counts` tells them. `window["applied"]` says
+            whether it made an update (not where every micro-batch was left
+            out); under `skip_nonfinite` the values are device scalars.
 
     `state()` reads the state now. An observer on TensorFlow may keep
     variables of its own besides (what cannot be a dict of arrays: a

@@ -112,6 +112,21 @@ def _state_variables(model):
             model.optimizer.variables, model.metrics_variables)
 
 
+def loss_scale_positions(optimizer):
+    """Where a `LossScaleOptimizer`'s `dynamic_scale` and `step_counter` are in
+    its `variables` (public attributes), or `None` for another optimizer."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    variables = list(optimizer.variables)
+    index = next(i for i, v in enumerate(variables) if v is optimizer.dynamic_scale)
+    return index, next(i for i, v in enumerate(variables) if v is optimizer.step_counter)
+
+
+def iterations_position(optimizer):
+    """Where `optimizer.iterations` is in its `variables` (public)."""
+    return next(i for i, v in enumerate(optimizer.variables) if v is optimizer.iterations)
+
+
 def batch_size(data):
     """Samples in a micro-batch: the first dimension of its first input."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)

@@ -27,7 +27,9 @@ from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
 from tfaccum.counts import Window
+from tfaccum.counts import DEVICE_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
+from tfaccum.counts import device_index
 
 
 class AccumulationHook(HookFront):
@@ -51,6 +53,8 @@ class AccumulationHook(HookFront):
         self.observers = list(observers)
         self.devices = for_distribution(_keras_on_jax.distribution())
         self.counts = HostCounts(self.devices)
+        self.skip_nonfinite = configuration.skips_nonfinite(
+            keras_models.scales_loss_dynamically(model.optimizer))
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch
         self._observed = None  # the observers' device states, likewise
@@ -59,7 +63,8 @@ class AccumulationHook(HookFront):
         rounding = Rounding(configuration.accumulator_dtype, seed=random.getrandbits(31))
         self._compiled = CompiledSteps(model, self.reduction, self.observers,
                                        jit=model.jit_compile and not model.run_eagerly,
-                                       devices=self.devices, rounding=rounding)
+                                       devices=self.devices, rounding=rounding,
+                                       skip_nonfinite=self.skip_nonfinite)
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -112,8 +117,9 @@ class AccumulationHook(HookFront):
 
     @property
     def pending(self):
-        """The `Window` accumulated but not yet applied."""
-        values = self.counts.values
+        """The `Window` accumulated but not yet applied (its samples kept: a
+        device read where micro-batches may be left out)."""
+        values = self.counts.numpy() if self.skip_nonfinite else self.counts.values
         return Window(values["window_micro_batches"], values["window_samples"])
 
     # -- the train function ---------------------------------------------------------
@@ -164,9 +170,9 @@ class AccumulationHook(HookFront):
             and counts.values["window_micro_batches"] + 1 >= self._steps)
         given = state
         try:
-            logs, state, self._accumulators, self._observed, counts.items, said = (
+            logs, state, self._accumulators, self._observed, counts.on_device, said = (
                 self._compiled.accumulate(state, self._accumulators, self._observed,
-                                          counts.items, data, self._window_vector(),
+                                          counts.on_device, data, self._window_vector(),
                                           jnp.asarray(samples, jnp.int32)))
             if self._compiled.says_counts:
                 self._check_said(state, said)
@@ -206,24 +212,40 @@ class AccumulationHook(HookFront):
     def _apply(self, trainable, optimizer_variables):
         """Applies the open window: normalised in place, then the optimizer's update
         (two compiled functions, so that no step holds a second copy of the window)."""
-        self._accumulators, self._observed, self.counts.items, self._window_items = (
-            self._compiled.normalize(self._accumulators, self._observed, self.counts.items,
+        counts = self.counts
+        self._accumulators, self._observed, counts.on_device, window, contributing = (
+            self._compiled.normalize(self._accumulators, self._observed, counts.on_device,
                                      self._window_vector()))
         trainable, optimizer_variables = self._compiled.apply(
-            trainable, optimizer_variables, self._accumulators)
-        self._applied()
+            trainable, optimizer_variables, self._accumulators, contributing)
+        # What the observers are told is the device's where it decided (not read here).
+        if self.skip_nonfinite:
+            window = dict(zip(WINDOW_COUNTS, window), applied=contributing)
+        else:
+            window = dict({name: counts.values[name] for name in WINDOW_COUNTS},
+                          window_items=window[WINDOW_COUNTS.index("window_items")])
+        counts.add(optimizer_steps=1)
+        counts.clear_window()
+        self._iterations += 1
+        totals, iterations = counts.values, self._iterations
+        if self.skip_nonfinite:
+            totals = self._device_totals()
+            # A copy: the next step is given (and donates) the optimizer's state.
+            iterations = jnp.copy(optimizer_variables[_keras_on_jax.iterations_position(
+                self.model.optimizer)])
+        for observer in self.observers:
+            observer.after_apply(iterations, window, totals)
         return trainable, optimizer_variables
 
-    def _applied(self):
-        """Counts the update just made; the window is empty (its first micro-batch
-        overwrites the accumulators)."""
-        window = {name: self.counts.values[name] for name in WINDOW_COUNTS}
-        window["window_items"] = self._window_items  # on the device, not read here
-        self.counts.add(optimizer_steps=1)
-        self.counts.clear_window()
-        self._iterations += 1
-        for observer in self.observers:
-            observer.after_apply(self._iterations, window, self.counts.values)
+    def _device_totals(self):
+        """The counts after an update, as device scalars where the device corrects
+        the host's (micro-batches and windows left out), without a read."""
+        device = dict(zip(DEVICE_COUNTS, jnp.reshape(self.counts.on_device,
+                                                     (-1, len(DEVICE_COUNTS))).sum(axis=0)))
+        values = dict(self.counts.values)
+        values["nonfinite_skips"] = device["nonfinite_skips"]
+        values["optimizer_steps"] = values["optimizer_steps"] - device["windows_left_out"]
+        return values
 
     # -- host-triggered window ends -----------------------------------------
 
@@ -259,7 +281,8 @@ class AccumulationHook(HookFront):
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.clear_window()
-            self.counts.items = self.counts.items.at[..., 0].set(0)  # the window's items
+            for name in ("window_items", "window_nonfinite", "window_samples_left_out"):
+                self.counts.on_device = self.counts.on_device.at[..., device_index(name)].set(0)
             tell(self.observers, "on_reset")
         return window
 
@@ -272,10 +295,6 @@ def check_served(model, configuration, observers):
         raise ValueError(
             f"tfaccum on Keras' JAX backend does not serve {what} yet. {fix}{served}")
 
-    if configuration.skip_nonfinite:
-        refuse("skip_nonfinite=True", "Leave skip_nonfinite=None.")
-    if keras_models.scales_loss_dynamically(model.optimizer):
-        refuse("a LossScaleOptimizer (mixed_float16)", "Use mixed_bfloat16 or float32.")
     distribution = _keras_on_jax.distribution()
     if distribution is not None:
         if not _keras_on_jax.data_parallel(distribution):

@@ -36,6 +36,7 @@ from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
 from tfaccum.counts import WINDOW_COUNTS
+from tfaccum.counts import device_index
 
 
 # Where the window vector a step receives holds the micro-step's number, after its counts.
@@ -58,6 +59,15 @@ def check_count(items):
     return jnp.asarray(items).astype(jnp.float32)
 
 
+def all_finite(grads):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+
+
+def select(condition, chosen, otherwise):
+    """`chosen` where `condition` holds, else `otherwise` (trees of arrays alike)."""
+    return jax.tree.map(lambda a, b: jnp.where(condition, a, b), chosen, otherwise)
+
+
 def squared_norm(grads):
     return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
 
@@ -76,12 +86,20 @@ class CompiledSteps:
             `jit_compile=False`, on one device).
         devices: Where the step runs (`devices.for_distribution`).
         rounding: How the accumulators store their sums (`precision.Rounding`).
+        skip_nonfinite: Whether a micro-batch whose gradient is not finite is
+            left out of its window (resolved: on under a `LossScaleOptimizer`).
     """
 
-    def __init__(self, model, reduction, observers=(), jit=True, devices=None, rounding=None):
+    def __init__(self, model, reduction, observers=(), jit=True, devices=None, rounding=None,
+                 skip_nonfinite=False):
         self.model = model
         self.reduction = reduction
         self.rounding = rounding or Rounding("float32")
+        self.skips = skip_nonfinite
+        # Where a dynamic loss scale's variables are in the optimizer's: a
+        # micro-batch left out lowers it, as Keras lowers it after a step.
+        self._loss_scale = _keras_on_jax.loss_scale_positions(model.optimizer) if (
+            skip_nonfinite) else None
         # Whether a step said a tensor count (`count_items()`): the host checks it.
         self.says_counts = False
         self.observers = tuple(observers)
@@ -99,30 +117,38 @@ class CompiledSteps:
             (SPLIT, SPLIT, SPLIT, BATCH, SPLIT, SHARED))
         self.accumulate = compile_(self._accumulate, (0, 1, 2, 3))
         self.normalize = compile_(each_share(
-            self._normalize, (SPLIT, SHARED, SPLIT, SHARED), (SPLIT, SHARED, SPLIT, SHARED)),
-            (0, 1, 2))
+            self._normalize, (SPLIT, SHARED, SPLIT, SHARED),
+            (SPLIT, SHARED, SPLIT, SHARED, SHARED)), (0, 1, 2))
         self.apply = compile_(each_share(
-            self._apply, (SHARED, SHARED, SPLIT), (SHARED, SHARED)), (0, 1))
+            self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
 
     # -- inside the compiled functions ----------------------------------------------
 
-    def _accumulate(self, state, accumulators, observed, items, data, open_window, samples):
-        """Adds one micro-batch.
+    def _accumulate(self, state, accumulators, observed, counted, data, open_window, samples):
+        """Adds one micro-batch (or leaves it out: `skip_nonfinite`).
 
         Args:
-            items: `[window_items, items]` counted so far (on the device; one
-                entry per device under `DataParallel`).
+            counted: The counts the device keeps (`DEVICE_COUNTS`; one vector
+                per device under `DataParallel`).
             open_window: The window's host counts before it (`WINDOW_COUNTS`),
                 then the micro-step's number (`STEP`).
             samples: Its samples.
         """
         model = self.model
         trainable, _, optimizer_variables, _ = state
-        accumulators, items, share, y_pred, changed, metrics = self._add_share(
-            state, accumulators, items, data, open_window, samples)
+        accumulators, counted, share, y_pred, changed, metrics = self._add_share(
+            state, accumulators, counted, data, open_window, samples)
         non_trainable = list(state[1])
         for i, value in zip(self._changed, changed):
             non_trainable[i] = self.devices.first(value)
+        finite = jnp.reshape(share["finite"], (-1,))[0] > 0  # alike on every device
+        if self._loss_scale is not None:
+            scale, counter = self._loss_scale
+            optimizer_variables = list(optimizer_variables)
+            optimizer_variables[scale] = jnp.where(
+                finite, optimizer_variables[scale], optimizer_variables[scale] * 0.5)
+            optimizer_variables[counter] = jnp.where(
+                finite, optimizer_variables[counter], jnp.zeros_like(optimizer_variables[counter]))
         if self.observers:
             # Each device's share is a micro-batch to the observers.
             squares, means, added, losses, sample_counts = (
@@ -133,20 +159,26 @@ class CompiledSteps:
                                  items=added[i], measured_items=added[i],
                                  samples=sample_counts[i],
                                  loss=losses[i].astype(jnp.float32), measured=True)
-                observed = tuple(dict(s, **o.on_micro_step(s, step))
-                                 for o, s in zip(self.observers, observed))
+                added_state = tuple(dict(s, **o.on_micro_step(s, step))
+                                    for o, s in zip(self.observers, observed))
+                if self.skips:
+                    left_out = tuple(dict(s, **o.on_leave_out(s, step))
+                                     for o, s in zip(self.observers, observed))
+                    added_state = select(finite, added_state, left_out)
+                observed = added_state
         loss = self._loss(share)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight),
                                                      y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
-        return logs, state, accumulators, observed, items, jnp.reshape(share["count"], (-1,))
+        return logs, state, accumulators, observed, counted, jnp.reshape(share["count"], (-1,))
 
-    def _share(self, state, accumulators, items, data, open_window, samples):
+    def _share(self, state, accumulators, counted, data, open_window, samples):
         """One device's share of a micro-batch: its gradient added, as its reduction weighs it.
 
-        Returns its accumulators and items, its scalars (`share`: the loss and
-        what weighs it, the gradient's squared norm, what it counted), its
+        Returns its accumulators and counts, its scalars (`share`: the loss and
+        what weighs it, the gradient's squared norm, what it counted, whether
+        the micro-batch was kept), its
         predictions, the non-trainable variables its forward pass changed (at
         the positions it keeps in `self._changed` while it traces) and the
         metrics.
@@ -164,13 +196,14 @@ class CompiledSteps:
         # What the loss averaged over: what `count_items()` said, or its
         # unmasked elements where a mask or `ignore_class` reached it (one
         # output), else the samples.
-        counted = (said[0] if said else seen["items"]) if self.reduction.counts_items else None
+        averaged_over = ((said[0] if said else seen["items"]) if self.reduction.counts_items
+                         else None)
         count = jnp.float32(0)
         if said and said_items.is_tensor(said[0]):
             count = check_count(said[0])
             self.says_counts = True
-        added = samples if counted is None else jnp.asarray(counted).astype(jnp.int32)
-        open_window = self._share_window(open_window, items)
+        added = samples if averaged_over is None else jnp.asarray(averaged_over).astype(jnp.int32)
+        open_window = self._share_window(open_window, counted)
         square = mean_square = jnp.zeros((), jnp.float32)
         if self.observers:
             square = mean_square = squared_norm(grads)
@@ -182,18 +215,37 @@ class CompiledSteps:
             factor = 1.0 / devices.shares  # the shares' mean is the micro-batch's
         if factor is not None:
             grads = [g * jnp.asarray(factor, g.dtype) for g in grads]
+        finite = jnp.bool_(True)
+        if self.skips:
+            # Left out whole where any device's share is not finite: every
+            # device keeps or leaves the same micro-batches.
+            here = jnp.logical_not(all_finite(grads)).astype(jnp.int32)
+            finite = devices.total(here) == 0
+            added = jnp.where(finite, added, 0)
         # A window's first micro-batch overwrites what the last window left;
         # so does the first that counts items after micro-batches that
         # counted none (their weight was a stand-in: `reduction.Auto`).
         restart = open_window[0] == 0
         if self.reduction.counts_items:
             restart = restart | ((open_window[2] <= 0) & (added > 0))
-        accumulators = self.rounding.store(
-            [jnp.where(restart, 0.0, a.astype(jnp.float32)) + g.astype(jnp.float32)
-             for a, g in zip(accumulators, grads)], open_window[STEP], devices.index())
+        held = [jnp.where(restart, 0.0, a.astype(jnp.float32)) for a in accumulators]
+        summed = [h + g.astype(jnp.float32) for h, g in zip(held, grads)]
+        if self.skips:
+            # What the window holds was scaled by the loss scale, which a
+            # micro-batch left out halves.
+            lowered = 0.5 if self._loss_scale is not None else 1.0
+            summed = [jnp.where(finite, s, h * lowered) for s, h in zip(summed, held)]
+            left = jnp.logical_not(finite)
+            once = (left & (devices.index() == 0)).astype(jnp.int32)
+            samples_left = jnp.where(left, samples, 0).astype(jnp.int32)
+            for name, value in (("window_nonfinite", once), ("nonfinite_skips", once),
+                                ("window_samples_left_out", samples_left),
+                                ("samples_left_out", samples_left)):
+                counted = counted.at[device_index(name)].add(value)
+        accumulators = self.rounding.store(summed, open_window[STEP], devices.index())
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "mean_square": mean_square,
-                 "added": added,
+                 "added": added, "finite": finite.astype(jnp.int32),
                  "count": count,
                  "samples": jnp.asarray(samples, jnp.int32),
                  # What the micro-batch's loss divides the shares' weighted sum by.
@@ -207,13 +259,18 @@ class CompiledSteps:
             new_metrics = [m + devices.total(n - m) for m, n in zip(metrics, new_metrics)]
             changed = [devices.total(v) / devices.shares
                        if jnp.issubdtype(v.dtype, jnp.floating) else v for v in changed]
-        return accumulators, items + added, share, y_pred, changed, new_metrics
+        for name in ("window_items", "items"):
+            counted = counted.at[device_index(name)].add(added)
+        return accumulators, counted, share, y_pred, changed, new_metrics
 
-    def _share_window(self, window, items):
-        """This device's part of the window's host counts (`WINDOW_COUNTS`): its
-        share of the samples (Keras splits every micro-batch evenly) and the
-        items it counted."""
-        return window.at[1].set(window[1] // self.devices.shares).at[2].set(items[0])
+    def _share_window(self, window, counted):
+        """This device's part of the window's counts (`WINDOW_COUNTS`): its share
+        of the samples kept (Keras splits every micro-batch evenly), the items
+        it counted and the micro-batches left out (counted on the first)."""
+        samples = (window[1] // self.devices.shares
+                   - counted[device_index("window_samples_left_out")])
+        return (window.at[1].set(samples).at[2].set(counted[device_index("window_items")])
+                .at[3].set(counted[device_index("window_nonfinite")]))
 
     def _loss(self, share):
         """The micro-batch's loss, from its shares' (Keras' logs and loss tracker)."""
@@ -224,18 +281,25 @@ class CompiledSteps:
         return jnp.where(norm > 0, weighted / jnp.where(norm > 0, norm, 1.0),
                          jnp.mean(share["loss"]))
 
-    def _normalize(self, accumulators, observed, items, window):
+    def _normalize(self, accumulators, observed, counted, window):
         """The window's sum divided as the reduction says, in place; the observers
-        see the update it will make. Returns the window's items apart, and
-        `items` with the window's emptied."""
+        see the update it will make.
+
+        Returns the accumulators, the observers' states, the device's counts
+        with the window's emptied, the window's counts over every device
+        (`WINDOW_COUNTS`) and whether it holds a micro-batch that was kept (if
+        not, `apply` makes no update).
+        """
         total = self.devices.total
-        window_items = total(items[0])
-        counts = window_counts(window.at[2].set(window_items))
+        local = self._share_window(window, counted)
+        window = window.at[1].set(total(local[1])).at[2].set(total(local[2])).at[3].set(
+            total(local[3]))
+        counts = window_counts(window)
+        contributing = (counts["window_micro_batches"] - counts["window_nonfinite"]) > 0
         if self.devices.shares > 1:
             # A device whose shares counted nothing in a window that did adds
             # nothing (what it added weighed its samples: `reduction.Auto`).
-            kept = self.reduction.keeps(window_counts(self._share_window(window, items)),
-                                        counts)
+            kept = self.reduction.keeps(window_counts(local), counts)
             if kept is not True:
                 accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
         # The devices' sums: once a window.
@@ -246,6 +310,7 @@ class CompiledSteps:
         # Every device rounds alike: each applies the same update.
         accumulators = self.rounding.store(accumulators, window[STEP])
         if self.observers:
+            before = observed
             squares = [squared_norm([a]) for a in accumulators]
             square = mean_square = sum(squares)
             if self._sums:
@@ -258,11 +323,23 @@ class CompiledSteps:
                             loss=None)
             observed = tuple(dict(s, **o.on_apply(s, update))
                              for o, s in zip(self.observers, observed))
+            if self.skips:
+                observed = select(contributing, observed, before)
             observed = tuple(dict(s, **o.on_reset(s)) for o, s in zip(self.observers, observed))
-        return accumulators, observed, items.at[0].set(0), window_items
+        for name in ("window_items", "window_nonfinite", "window_samples_left_out"):
+            counted = counted.at[device_index(name)].set(0)
+        if self.skips:
+            empty = (jnp.logical_not(contributing) & (self.devices.index() == 0))
+            counted = counted.at[device_index("windows_left_out")].add(empty.astype(jnp.int32))
+        return accumulators, observed, counted, window[:STEP], contributing
 
-    def _apply(self, trainable, optimizer_variables, accumulators):
-        """The normalised window applied once. The accumulators are only read:
-        the window's first micro-batch overwrites them (`_accumulate`)."""
+    def _apply(self, trainable, optimizer_variables, accumulators, contributing):
+        """The normalised window applied once (not at all where every micro-batch
+        was left out). The accumulators are only read: the window's first
+        micro-batch overwrites them (`_accumulate`)."""
         grads = [a.astype(v.dtype) for a, v in zip(accumulators, trainable)]
-        return self.model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        apply = self.model.optimizer.stateless_apply
+        if not self.skips:
+            return apply(optimizer_variables, grads, trainable)
+        return jax.lax.cond(contributing, lambda: apply(optimizer_variables, grads, trainable),
+                            lambda: (list(trainable), list(optimizer_variables)))

@@ -94,8 +94,9 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
         Args:
             iterations: `optimizer.iterations` after the update.
-            window: The window's counts (`window_*`), host integers.
-            counts: The hook's counts after the update.
+            window: The window's counts (`window_*`) and whether it was
+                `applied`, host integers or device scalars.
+            counts: The hook's counts after the update, likewise.
         """
         state = self.state()
         noise = jnp.float32(float("nan"))
@@ -111,12 +112,15 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
                 "micro_steps": counts["micro_steps"],
                 "skipped_updates": counts["micro_steps"] - counts["optimizer_steps"],
                 "nonfinite_skips": counts["nonfinite_skips"]}
-        self._rows.append((iterations, host, device))
+        # A window of nothing but micro-batches left out made no update: the
+        # device says so, read with the rest when the rows are written.
+        self._rows.append((iterations, host, device, window.get("applied", True)))
 
     def _take_rows(self):
-        if not self._rows:
-            return None
         rows, self._rows = self._rows, []
+        rows = [row for row in rows if bool(row[3])]
+        if not rows:
+            return None
         device = np.asarray(jnp.stack([row[2] for row in rows]), np.float64)
         columns = {name: device[:, i] for i, name in enumerate(_MEASURED)}
         for name in SERIES:
