@@ -30,7 +30,9 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_interrupts.py
 
 # Keras 3 on JAX runs the whole suite too: a test of what only TensorFlow
-# serves says so (`backend` marker, with the test of JAX's refusal).
+# serves says so (`backend` marker, with the test of JAX's refusal). The test
+# extra installs every backend; a user names one (`.[tensorflow]`, `.[jax]`:
+# no TensorFlow, tests/test_install.py).
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

@@ -35,7 +35,16 @@ def __getattr__(name):
         module = _PUBLIC[name]
     else:
         raise AttributeError(f"module 'tfaccum' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as error:
+        if error.name != "tensorflow":
+            raise
+        raise ImportError(
+            f"tfaccum.{name} is TensorFlow code, and TensorFlow is not installed here. "
+            "Install it with `pip install \".[tensorflow]\"` and set KERAS_BACKEND=tensorflow, "
+            "or leave it out: on Keras' JAX backend it is not served yet "
+            "(docs/jax.md).") from error
     globals()[name] = value
     return value
 

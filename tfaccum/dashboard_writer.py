@@ -204,16 +204,22 @@ def probe_log_dir(log_dir):
 
     Through TensorBoard's file system layer, which the writer uses: local
     paths, and TensorFlow's remote file systems where TensorFlow is installed.
+    Without TensorFlow (JAX), TensorBoard's stand-in cannot remove a file: a
+    local probe is removed by `os`, a remote directory only made.
     """
     from tensorboard.compat import tf
 
     gfile = tf.io.gfile
+    remove = getattr(gfile, "remove", None)
+    if remove is None and "://" not in log_dir:
+        remove = os.remove
     probe = f"{log_dir.rstrip('/')}/.tfaccum-probe-{os.getpid()}"
     try:
         gfile.makedirs(log_dir)
-        with gfile.GFile(probe, "w") as file:
-            file.write("")
-        gfile.remove(probe)
+        if remove is not None:
+            with gfile.GFile(probe, "w") as file:
+                file.write("")
+            remove(probe)
     except (tf.errors.OpError, OSError) as error:
         raise ValueError(
             f"`log_dir` cannot hold the summaries: {type(error).__name__}: "

@@ -1,0 +1,113 @@
+"""What each backend's users install: the JAX extra brings no TensorFlow, and
+everything JAX serves runs where `import tensorflow` fails."""
+
+import importlib.metadata
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def requirement_name(requirement):
+    return re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def brought_by(requirements):
+    """Every distribution `requirements` bring, read from the installed packages'
+    metadata (markers evaluated for this interpreter, no extras followed)."""
+    from packaging.requirements import Requirement
+
+    seen, todo = set(), [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        name = requirement.name.lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo.extend(Requirement(r) for r in importlib.metadata.requires(name) or [])
+        except importlib.metadata.PackageNotFoundError:
+            pass  # not installed here: its own requirements are not known
+    return seen
+
+
+def test_the_jax_extra_brings_no_tensorflow():
+    extras = PROJECT["optional-dependencies"]
+    jax_users = brought_by(PROJECT["dependencies"] + extras["jax"])
+    assert "jax" in jax_users and "keras" in jax_users
+    assert not {"tensorflow", "tensorflow-cpu", "tf-keras"} & jax_users, sorted(jax_users)
+    # TensorFlow's users name their extra, as Keras' own install asks for a backend.
+    assert "tensorflow" in {requirement_name(r) for r in extras["tensorflow"]}
+    assert "tensorflow" in {requirement_name(r) for r in extras["tf-keras"]}
+
+
+# A child process where TensorFlow cannot be imported, as where it is not installed.
+WITHOUT_TENSORFLOW = textwrap.dedent("""
+    import importlib.abc
+    import sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("tensorflow", "tf_keras"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NotInstalled())
+""")
+
+EVERYTHING_JAX_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    import tfaccum
+
+    keras.utils.set_random_seed(0)
+    x = np.random.rand(64, 5).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    y[17] = np.inf  # a micro-batch left out
+
+    def fit(distribution=None, **options):
+        if distribution is not None:
+            keras.distribution.set_distribution(distribution)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4, **options)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+        keras.distribution.set_distribution(None)
+        return callback
+
+    callback = fit(log_dir=sys.argv[1], skip_nonfinite=True, accumulator_dtype="bfloat16",
+                   leftover="drop")
+    assert callback.nonfinite_skips == 2 and callback.optimizer_steps == 4, callback.counters
+    fit(keras.distribution.DataParallel(), reduction="mean", skip_nonfinite=True)
+    try:
+        tfaccum.InBatchSoftmax
+    except ImportError as error:
+        assert "TensorFlow is not installed" in str(error), error
+    else:
+        raise AssertionError("InBatchSoftmax without TensorFlow")
+    from tb_plugin import plugin  # the dashboard reads the run without TensorFlow
+    assert "tensorflow" not in sys.modules, "tensorflow was imported"
+    print("served without TensorFlow")
+""")
+
+
+@pytest.mark.backend("jax", reason="what JAX's users run; the TensorFlow passes import it")
+def test_everything_jax_serves_runs_without_tensorflow(tmp_path):
+    env = dict(os.environ, KERAS_BACKEND="jax",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", EVERYTHING_JAX_SERVES, str(tmp_path)],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "served without TensorFlow" in result.stdout
+    assert list(tmp_path.rglob("*.tfevents.*"))
