@@ -493,3 +493,66 @@ def test_a_window_left_out_whole_makes_no_update_and_no_dashboard_point(tmp_path
     assert body["series"]["micro_steps"] == [3, 9, 12, 18]
     assert body["series"]["nonfinite_skips"] == [0, 3, 3, 6]
     assert body["series"]["window_samples"] == [24] * 4
+
+
+# -- several processes: DataParallel over two local JAX processes ----------------------
+
+
+def two_processes(out, case):
+    """Runs two_jax_processes.py; returns each process's weights and counters."""
+    import json
+    import pathlib
+    import subprocess
+
+    here = pathlib.Path(__file__).parent
+    out.mkdir()
+    result = subprocess.run([sys.executable, str(here / "two_jax_processes.py"), str(out), case],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    weights = []
+    for process in (0, 1):
+        with np.load(out / f"weights{process}.npz") as saved:
+            weights.append([saved[f"arr_{i}"] for i in range(len(saved.files))])
+    counters = [json.loads((out / f"counters{process}.json").read_text()) for process in (0, 1)]
+    return weights, counters
+
+
+def global_windows(left_out=()):
+    """The samples of each update at the global window: micro-step k of an epoch
+    holds rows 4k..4k+3 of each process's shard (samples 0-31 and 32-63)."""
+    from two_jax_processes import EPOCHS, LOCAL_BATCH, SAMPLES, STEPS
+
+    half, micro_steps = SAMPLES // 2, SAMPLES // 2 // LOCAL_BATCH
+    updates = []
+    for _ in range(EPOCHS):
+        for start in range(0, micro_steps, STEPS):  # a partial window is flushed
+            window = [shard * half + LOCAL_BATCH * k + i
+                      for k in range(start, min(start + STEPS, micro_steps))
+                      if k not in left_out for shard in (0, 1) for i in range(LOCAL_BATCH)]
+            if window:
+                updates.append(sorted(window))
+    return updates
+
+
+@pytest.mark.parametrize("case", ["tfaccum", "nonfinite"])
+def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
+    # Each process feeds its own shard; a micro-step's global batch is both
+    # processes' micro-batches. With `nonfinite` one sample of the second
+    # process's third micro-batch is infinite: the global micro-batch is
+    # left out whole, on both. Process 0 alone writes the summaries.
+    from two_jax_processes import build_model
+    from two_jax_processes import data
+
+    weights, counters = two_processes(tmp_path / case, case)
+    assert max_diff(weights[0], weights[1]) == 0  # the same update on every process
+    assert counters[0] == counters[1]
+    x, y = data(case)
+    updates = global_windows(left_out=(2,) if case == "nonfinite" else ())
+    reference = build_model(keras)
+    train_large_batches(reference, x, y, updates)
+    assert max_diff(weights[0], reference) < TOL
+    assert max_diff(weights[0], build_model(keras)) > 1e-2
+    assert counters[0]["optimizer_steps"] == counters[0]["iterations"] == len(updates) == 6
+    assert counters[0]["samples"] == sum(len(u) for u in updates)
+    assert counters[0]["nonfinite_skips"] == (2 if case == "nonfinite" else 0)
+    assert len(list((tmp_path / case / "logs").rglob("*.tfevents.*"))) == 1

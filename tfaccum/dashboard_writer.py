@@ -87,6 +87,8 @@ class DashboardWriter(abc.ABC):
         self._writer_dir = None
         self._last_write = time.monotonic()
         self._unwritten_micro_steps = 0
+        # Whether this process writes (JAX: every process records, the first writes).
+        self.writes = True
 
     def __repr__(self):
         return (f"AccumulationSummaries(log_dir={self.log_dir!r}, "
@@ -158,6 +160,8 @@ class DashboardWriter(abc.ABC):
             nonfinite: Micro-batches left out so far in this fit.
         """
         self.write()  # earlier steps first: each series' steps must not go back
+        if not self.writes:
+            return
         writer = self._get_writer()
         with interrupts.deferred():  # all of the event's points, or none
             for name, kind, value in dashboard_schema.leftover_points(

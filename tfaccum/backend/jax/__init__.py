@@ -23,10 +23,10 @@ class JaxBackend(Backend):
     summaries_class = AccumulationSummaries
 
     def writes_summaries(self, model):
-        """The first process writes."""
-        import jax
-
-        return jax.process_index() == 0
+        """Every process records the summaries, so that every process compiles the
+        same step (its collectives must match); the first writes them
+        (`AccumulationSummaries`)."""
+        return True
 
     def has_window_loss(self, model):
         return False  # refused when made (`tfaccum.WindowLoss`)

@@ -59,6 +59,10 @@ class OneDevice:
         """A `SPLIT` array summed over devices, on the host."""
         return np.asarray(split)
 
+    def entries(self, split):
+        """A `SPLIT` array's entries, one per device, on the host."""
+        return np.asarray(split)
+
 
 class SeveralDevices(OneDevice):
     """The devices of `keras.distribution.DataParallel`'s mesh, along its batch axis.
@@ -93,7 +97,17 @@ class SeveralDevices(OneDevice):
         return value[0]
 
     def read(self, split):
-        return np.asarray(split).sum(axis=0)
+        # Summed where the entries live, into an array every process holds
+        # (another process's entries cannot be fetched).
+        total = jax.jit(lambda a: a.sum(axis=0), out_shardings=jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec()))
+        return np.asarray(total(split))
+
+    def entries(self, split):
+        """A `SPLIT` array's entries, one per device, on the host."""
+        gather = jax.jit(lambda a: a, out_shardings=jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec()))
+        return np.asarray(gather(split))
 
     def each_share(self, function, in_kinds, out_kinds):
         P = jax.sharding.PartitionSpec

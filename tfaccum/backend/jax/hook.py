@@ -196,7 +196,7 @@ class AccumulationHook(HookFront):
         one fails `fit` before its window is applied: the model keeps the state
         this step left, the hook is removed."""
         try:
-            for count in np.asarray(said).tolist():
+            for count in np.ravel(self.devices.entries(said)).tolist():
                 said_items.check_number(count)
         except (TypeError, ValueError):
             _keras_on_jax.restore(self.model, state)
@@ -301,9 +301,6 @@ def check_served(model, configuration, observers):
             refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
                    "devices)", "Use keras.distribution.DataParallel, or one device.",
                    on_tensorflow=False)
-        if jax.process_count() > 1:
-            refuse(f"several processes ({jax.process_count()}) under DataParallel",
-                   "Train on the devices of one process.", on_tensorflow=False)
         batch_norm = _keras_on_jax.batch_norm_layers(model)
         if batch_norm:
             refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "

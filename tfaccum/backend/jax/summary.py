@@ -7,6 +7,7 @@ its own counts (no device read). `tfaccum.dashboard_writer.DashboardWriter`
 writes the rows (one device read for all of them).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,6 +79,8 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
     def on_install(self, hook):
         super().on_install(hook)
+        # Every process records (the same compiled step); the first writes.
+        self.writes = jax.process_index() == 0
         if self._variable_names is None:
             self._variable_names = [dashboard_writer.variable_name(v, hook.model.name)
                                     for v in hook.model.trainable_variables]
@@ -118,10 +121,14 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
 
     def _take_rows(self):
         rows, self._rows = self._rows, []
+        if not self.writes:
+            return None
         rows = [row for row in rows if bool(row[3])]
         if not rows:
             return None
-        device = np.asarray(jnp.stack([row[2] for row in rows]), np.float64)
+        # Each row's copy on this process (across processes an array spans
+        # devices this one cannot compute on alone).
+        device = np.asarray(jnp.stack([row[2].addressable_data(0) for row in rows]), np.float64)
         columns = {name: device[:, i] for i, name in enumerate(_MEASURED)}
         for name in SERIES:
             if name not in columns:
