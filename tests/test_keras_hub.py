@@ -38,7 +38,7 @@ def adamw():
     return keras.optimizers.AdamW(0.01, weight_decay=0.01, clipnorm=1.0)
 
 
-def gpt2_causal_lm():
+def gpt2_causal_lm(lora_rank=None):
     keras.utils.set_random_seed(0)
     tokenizer = keras_hub.models.GPT2Tokenizer(vocabulary=GPT2_VOCABULARY, merges=MERGES)
     preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(tokenizer=tokenizer,
@@ -47,6 +47,8 @@ def gpt2_causal_lm():
         vocabulary_size=len(GPT2_VOCABULARY), num_layers=1, num_heads=2, hidden_dim=8,
         intermediate_dim=16, max_sequence_length=12, dropout=0.0)
     model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
+    if lora_rank is not None:
+        backbone.enable_lora(rank=lora_rank)  # the base weights frozen, adapters trained
     model.compile(optimizer=adamw(), weighted_metrics=[], jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -110,6 +112,28 @@ def test_gpt2_causal_lm_on_raw_strings(tmp_path):
     assert (callback.optimizer_steps, callback.micro_steps, callback.flushes) == (6, 20, 2)
     assert callback.optimizer_steps == int(reference.optimizer.iterations)
     check_dashboard_and_round_trip(model, callback, tmp_path / "logs", tmp_path)
+
+
+def test_gpt2_causal_lm_fine_tuned_with_lora():
+    # LoRA fine-tuning with AdamW, as keras_hub's guides do: only the adapters
+    # train, the window's update is the large batch's.
+    texts = sentences(n=32, seed=1)  # 2 windows of 4 x 4 an epoch
+    reference = gpt2_causal_lm(lora_rank=2)
+    reference.fit(texts, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = gpt2_causal_lm(lora_rank=2)
+    callback = GradientAccumulationCallback(accumulation_steps=4)
+    model.fit(texts, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_weight_diff(model, reference) < TOL
+    start = gpt2_causal_lm(lora_rank=2)
+    adapters = [i for i, v in enumerate(model.weights) if "lora" in v.path]
+    assert adapters and len(model.trainable_weights) < len(model.weights) / 2
+    moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(model.weights, start.weights)]
+    assert max(moved[i] for i in adapters) > 1e-3  # the adapters trained
+    frozen = [i for i, v in enumerate(model.weights)
+              if not v.trainable and "lora" not in v.path and "kernel" in v.path]
+    assert frozen and max(moved[i] for i in frozen) == 0  # the base weights did not
+    assert (callback.optimizer_steps, callback.micro_steps) == (4, 16)
 
 
 def test_bert_text_classifier(tmp_path):
