@@ -299,8 +299,8 @@ def check_served(model, configuration, observers):
     if distribution is not None:
         if not _keras_on_jax.data_parallel(distribution):
             refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
-                   "devices)", "Use keras.distribution.DataParallel, or one device.",
-                   on_tensorflow=False)
+                   "devices: each device's accumulators are shaped as whole variables)",
+                   "Use keras.distribution.DataParallel, or one device.", on_tensorflow=False)
         batch_norm = _keras_on_jax.batch_norm_layers(model)
         if batch_norm:
             refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "
@@ -319,5 +319,6 @@ def check_served(model, configuration, observers):
                "Leave Keras' train_step (override compute_loss instead).")
     toolkit = _keras_on_jax.toolkit_parts(model)
     if toolkit:
-        refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses)",
+        refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses: what "
+               "they keep across a window is TensorFlow code for now)",
                "Use BatchNormalization and a loss of each micro-batch.")
