@@ -28,12 +28,19 @@ Variants:
   tfaccum    GradientAccumulationCallback(accumulation_steps=4), defaults
   no-noise   the same with noise_scale=False (the noise scale's cost)
   bfloat16   tfaccum with accumulator_dtype="bfloat16"
+  window     tfaccum with steps_per_execution=4: each window one compiled program
+  window-no-noise  the same with noise_scale=False
+  jax-loop   hand-written JAX, no Keras in the loop: a jitted host loop adding each
+             micro-batch's gradient into donated accumulators, Adam every 4th
+  jax-scan   hand-written JAX: a window compiled as one program (`lax.scan` over
+             its 4 micro-batches, then Adam), as Levanter and MaxText accumulate
 
 The last column is each variant's training loss in its last epoch, over
 tfaccum's (float32 accumulators) in the same round.
 """
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -43,7 +50,9 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "keras", "tfaccum", "no-noise", "bfloat16")
+VARIANTS = ("plain", "keras", "tfaccum", "no-noise", "bfloat16", "window", "window-no-noise",
+            "jax-loop", "jax-scan")
+HAND_WRITTEN = ("jax-loop", "jax-scan")
 
 
 def run_variant(variant, args):
@@ -68,6 +77,12 @@ def run_variant(variant, args):
     model.compile(optimizer=keras.optimizers.Adam(1e-4, gradient_accumulation_steps=steps),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    if variant in HAND_WRITTEN:
+        times, loss = hand_written(variant, model, x, y, args)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"rss": rss, "epoch": statistics.mean(times[1:]), "loss": loss,
+                          "weights": weights, "tensorflow": "tensorflow" in sys.modules}))
+        return
 
     class EpochTimes(keras.callbacks.Callback):
         def __init__(self):
@@ -82,16 +97,92 @@ def run_variant(variant, args):
 
     times = EpochTimes()
     callbacks = [times]
-    if variant in ("tfaccum", "no-noise", "bfloat16"):
+    if variant in ("tfaccum", "no-noise", "bfloat16", "window", "window-no-noise"):
         callbacks.insert(0, tfaccum.GradientAccumulationCallback(
-            accumulation_steps=args.steps, noise_scale=False if variant == "no-noise" else None,
+            accumulation_steps=args.steps, noise_scale=False if "no-noise" in variant else None,
             accumulator_dtype="bfloat16" if variant == "bfloat16" else "float32"))
+    if variant.startswith("window"):
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), steps_per_execution=args.steps,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=args.micro, epochs=args.epochs, shuffle=False,
                         verbose=0, callbacks=callbacks)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"rss": rss, "epoch": statistics.mean(times.times[1:]),
                       "loss": history.history["loss"][-1],
                       "weights": weights, "tensorflow": "tensorflow" in sys.modules}))
+
+
+def hand_written(variant, model, x, y, args):
+    """The model's first weights trained by hand in JAX; epoch times and the last loss."""
+    import jax
+    import jax.numpy as jnp
+
+    params = [jnp.asarray(v.value) for v in model.trainable_variables]
+
+    def loss_of(params, x, y):
+        hidden = x
+        for i in range(0, len(params) - 2, 2):
+            hidden = jax.nn.relu(hidden @ params[i] + params[i + 1])
+        logits = hidden @ params[-2] + params[-1]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    gradient = jax.value_and_grad(loss_of)
+    b1, b2, epsilon, rate = 0.9, 0.999, 1e-7, 1e-4
+
+    def adam(params, slots, grads):
+        m, v, t = slots
+        t = t + 1
+        m = [b1 * a + (1 - b1) * g for a, g in zip(m, grads)]
+        v = [b2 * a + (1 - b2) * g * g for a, g in zip(v, grads)]
+        step = rate * jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        params = [p - step * a / (jnp.sqrt(b) + epsilon) for p, a, b in zip(params, m, v)]
+        return params, (m, v, t)
+
+    slots = ([jnp.zeros_like(p) for p in params], [jnp.zeros_like(p) for p in params],
+             jnp.float32(0))
+    steps, micro = args.steps, args.micro
+    if variant == "jax-scan":
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def window(params, slots, xs, ys):
+            def add(carry, batch):
+                total, sums = carry
+                loss, grads = gradient(params, *batch)
+                return (total + loss, [s + g for s, g in zip(sums, grads)]), None
+
+            start = (jnp.float32(0), [jnp.zeros_like(p) for p in params])
+            (total, sums), _ = jax.lax.scan(add, start, (xs, ys))
+            params, slots = adam(params, slots, [s / steps for s in sums])
+            return params, slots, total / steps
+    else:
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def accumulate(sums, params, x, y):
+            loss, grads = gradient(params, x, y)
+            return [s + g for s, g in zip(sums, grads)], loss
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+        def update(params, slots, sums):
+            params, slots = adam(params, slots, [s / steps for s in sums])
+            return params, slots, [jnp.zeros_like(s) for s in sums]
+
+        sums = [jnp.zeros_like(p) for p in params]
+    times, size = [], micro * steps
+    for _ in range(args.epochs):
+        start = time.perf_counter()
+        losses = []
+        for begin in range(0, len(x) - size + 1, size):
+            xs = x[begin:begin + size].reshape(steps, micro, -1)
+            ys = y[begin:begin + size].reshape(steps, micro)
+            if variant == "jax-scan":
+                params, slots, loss = window(params, slots, xs, ys)
+                losses.append(loss)
+            else:
+                for k in range(steps):
+                    sums, loss = accumulate(sums, params, xs[k], ys[k])
+                    losses.append(loss)
+                params, slots, sums = update(params, slots, sums)
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - start)
+    return times, float(jnp.mean(jnp.stack(losses)))
 
 
 def measure(variant, args):
@@ -131,6 +222,7 @@ def main():
     speed = {v: [] for v in VARIANTS[1:]}
     seconds = {v: [] for v in VARIANTS}
     losses = {v: [] for v in VARIANTS}
+    scan = {v: [] for v in VARIANTS}
     weights, tensorflow = None, set()
     for _ in range(args.repeats):
         order = list(VARIANTS)
@@ -140,6 +232,7 @@ def main():
         for variant, result in results.items():
             seconds[variant].append(result["epoch"])
             losses[variant].append(result["loss"] / results["tfaccum"]["loss"])
+            scan[variant].append(result["epoch"] / results["jax-scan"]["epoch"])
             if result["tensorflow"]:
                 tensorflow.add(variant)
         for variant in VARIANTS[1:]:
@@ -152,12 +245,14 @@ def main():
           f"median (min-max) of "
           f"{args.repeats} rounds of fresh processes")
     print("| variant | extra peak RSS over plain (parameter bytes) | epoch time / plain's "
-          "| epoch (s) | last loss / tfaccum's |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| plain | - | 1 | {spread(seconds['plain'])} | {spread(losses['plain'])} |")
+          "| epoch (s) | epoch / jax-scan's | last loss / tfaccum's |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| plain | - | 1 | {spread(seconds['plain'])} | {spread(scan['plain'])} "
+          f"| {spread(losses['plain'])} |")
     for variant in VARIANTS[1:]:
         print(f"| {variant} | {spread(memory[variant])} | {spread(speed[variant])} "
-              f"| {spread(seconds[variant])} | {spread(losses[variant])} |")
+              f"| {spread(seconds[variant])} | {spread(scan[variant])} "
+              f"| {spread(losses[variant])} |")
     if tensorflow:
         print(f"TensorFlow was imported by: {sorted(tensorflow)}")
 

@@ -127,9 +127,9 @@ def check_left_at_its_last_update(model, callback, x, y, leftover, log_dir=None)
     return updates
 
 
-def interrupted_fit(delay, leftover, log_dir):
+def interrupted_fit(delay, leftover, log_dir, **compile_kwargs):
     x, y = make_data(n=N)
-    model = build()
+    model = make_model(optimizer="adam", seed=3, **compile_kwargs) if compile_kwargs else build()
     callback = GradientAccumulationCallback(
         accumulation_steps=STEPS, leftover=leftover, log_dir=log_dir)
     with SignalAfter(delay) as sender, pytest.raises(KeyboardInterrupt):
@@ -154,6 +154,19 @@ def test_sigint_under_data_parallel_leaves_the_model_at_its_last_update(trial, t
     log_dir = str(tmp_path / "run") if trial == 2 else None
     with keras.distribution.DataParallel().scope():
         model, callback, x, y = interrupted_fit(DELAYS[-1 - trial], leftover, log_dir)
+    check_left_at_its_last_update(model, callback, x, y, leftover, log_dir)
+
+
+@jax_only
+@pytest.mark.parametrize("trial", range(3))
+def test_sigint_while_a_window_runs_as_one_program_leaves_the_model_at_its_last_update(
+        trial, tmp_path):
+    # steps_per_execution=4: each epoch's first window runs as one compiled
+    # program (after the first update), its fifth micro-batch on its own.
+    leftover = ("flush", "drop")[trial % 2]
+    log_dir = str(tmp_path / "run") if trial == 2 else None
+    model, callback, x, y = interrupted_fit(DELAYS[trial + 2], leftover, log_dir,
+                                            steps_per_execution=STEPS)
     check_left_at_its_last_update(model, callback, x, y, leftover, log_dir)
 
 

@@ -556,3 +556,54 @@ def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
     assert counters[0]["samples"] == sum(len(u) for u in updates)
     assert counters[0]["nonfinite_skips"] == (2 if case == "nonfinite" else 0)
     assert len(list((tmp_path / case / "logs").rglob("*.tfevents.*"))) == 1
+
+
+# -- a window compiled as one program (steps_per_execution) -----------------------------
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"noise_scale": False}, {"skip_nonfinite": True}, {"accumulator_dtype": "bfloat16"},
+    {"leftover": "drop"}, {"leftover": "carry"}, {"reduction": "mean"}, {"log_dir": True}],
+    ids=["defaults", "no_noise", "skip_nonfinite", "bfloat16", "drop", "carry", "mean",
+         "log_dir"])
+def test_a_window_runs_as_one_program_as_its_micro_steps_do(options, tmp_path, monkeypatch):
+    # steps_per_execution a multiple of accumulation_steps: each full window
+    # (after the first update) runs as one compiled program; the result is
+    # the micro-step path's, counters and dashboard included.
+    from reference import read_run
+
+    from tfaccum.backend.jax.hook import AccumulationHook
+
+    windows_compiled = []
+    step = AccumulationHook._window_step
+    monkeypatch.setattr(AccumulationHook, "_window_step", lambda self, state, batch: (
+        windows_compiled.append(len(batch)), step(self, state, batch))[1])
+    x, y = make_data(n=100)  # 13 micro-batches an epoch: 3 windows of 4 and 1 left
+    x[45, 0] = np.inf if options.get("skip_nonfinite") else x[45, 0]
+    runs = {}
+    for spe in (1, 8):
+        kwargs = dict(options)
+        if kwargs.pop("log_dir", None):
+            kwargs["log_dir"] = str(tmp_path / f"spe{spe}")
+        keras.utils.set_random_seed(3)
+        model = make_model(optimizer="adam", steps_per_execution=spe)
+        callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4, **kwargs)
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+        runs[spe] = (model, callback)
+        if spe == 1:
+            assert not windows_compiled
+    (one, one_callback), (window, window_callback) = runs[1], runs[8]
+    assert windows_compiled and set(windows_compiled) == {4}
+    assert max_diff(window, one) < 1e-6
+    assert window_callback.counters == one_callback.counters
+    assert int(window.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy())
+    if "log_dir" in options:
+        # (The models' layers are named apart: the series are compared by order.)
+        ours, theirs = ({tag.split("accumulator_norm/")[0] + str(i): points
+                         for i, (tag, points) in enumerate(sorted(read_run(str(run))[0].items()))}
+                        for run in (tmp_path / "spe8", tmp_path / "spe1"))
+        assert ours.keys() == theirs.keys() and len(ours) > 10
+        for tag in ours:
+            np.testing.assert_allclose([v for _, v in ours[tag]], [v for _, v in theirs[tag]],
+                                       rtol=1e-5, err_msg=tag)
+            assert [s for s, _ in ours[tag]] == [s for s, _ in theirs[tag]], tag

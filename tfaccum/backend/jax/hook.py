@@ -132,6 +132,8 @@ class AccumulationHook(HookFront):
         so that it never leaves the variables with deleted arrays.
         """
         _keras_on_jax.publish(self.model, state)  # before anything is donated
+        if self.compiles_windows():
+            return self._window_steps(state, iterator)
         logs, state = self._interruptible_step(state, next(iterator))
         for _ in range(self.model.steps_per_execution - 1):
             try:
@@ -141,10 +143,64 @@ class AccumulationHook(HookFront):
             logs, state = self._interruptible_step(state, data)
         return logs, state
 
-    def _interruptible_step(self, state, data):
+    def compiles_windows(self):
+        """Whether this execution's windows run as one compiled program each.
+
+        Where `steps_per_execution` is a multiple of `accumulation_steps` and
+        an execution begins with the window empty, on one device; after the
+        first update (the first steps trace one by one, so that a refusal
+        leaves a plain model) and where no step says a tensor count (each is
+        checked before its window is applied).
+        """
+        values = self.counts.values
+        return (self.model.steps_per_execution % self._steps == 0
+                and values["window_micro_batches"] == 0 and values["optimizer_steps"] > 0
+                and self.devices.shares == 1 and not self._compiled.says_counts
+                and self._accumulators is not None)
+
+    def _window_steps(self, state, iterator):
+        """`steps_per_execution` micro-batches, a window at a time; a window the
+        data ends inside, or of micro-batches of different shapes, one by one."""
+        logs = None
+        for _ in range(self.model.steps_per_execution // self._steps):
+            batch = []
+            for _ in range(self._steps):
+                try:
+                    batch.append(next(iterator))
+                except StopIteration:
+                    break
+            if not batch:
+                if logs is None:
+                    raise StopIteration
+                break
+            shapes = {tuple(np.shape(leaf) for leaf in jax.tree.leaves(data)) for data in batch}
+            if len(batch) < self._steps or len(shapes) > 1:
+                for data in batch:
+                    logs, state = self._interruptible_step(state, data)
+                break
+            logs, state = self._interruptible_step(state, batch, self._window_step)
+        return logs, state
+
+    def _interruptible_step(self, state, data, step=None):
         with interrupts.deferred(lambda: _keras_on_jax.write_published(self.model)):
-            logs, state = self._micro_step(state, data)
+            logs, state = (step or self._micro_step)(state, data)
             _keras_on_jax.publish(self.model, state)
+        return logs, state
+
+    def _window_step(self, state, batch):
+        """A full window as one compiled program (`CompiledSteps.window`)."""
+        samples = _keras_on_jax.batch_size(batch[0])
+        stack = np.stack if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(
+            batch)) else jnp.stack
+        stacked = jax.tree.map(lambda *leaves: stack(leaves), *batch)
+        counts, steps = self.counts, len(batch)
+        (logs, state, self._accumulators, self._observed, counts.on_device, window,
+         contributing) = self._compiled.window(
+            state, self._accumulators, self._observed, counts.on_device, stacked,
+            self._window_vector(), jnp.asarray(samples, jnp.int32))
+        counts.add(micro_steps=steps, samples=steps * samples, window_micro_batches=steps,
+                   window_samples=steps * samples)
+        self._ended(window, contributing, state[2])
         return logs, state
 
     def _micro_step(self, state, data):
@@ -218,6 +274,13 @@ class AccumulationHook(HookFront):
                                      self._window_vector()))
         trainable, optimizer_variables = self._compiled.apply(
             trainable, optimizer_variables, self._accumulators, contributing)
+        self._ended(window, contributing, optimizer_variables)
+        return trainable, optimizer_variables
+
+    def _ended(self, window, contributing, optimizer_variables):
+        """Counts a window's end and tells the observers (`window`: its counts on
+        the device; `contributing`: whether it made an update)."""
+        counts = self.counts
         # What the observers are told is the device's where it decided (not read here).
         if self.skip_nonfinite:
             window = dict(zip(WINDOW_COUNTS, window), applied=contributing)
@@ -235,7 +298,6 @@ class AccumulationHook(HookFront):
                 self.model.optimizer)])
         for observer in self.observers:
             observer.after_apply(iterations, window, totals)
-        return trainable, optimizer_variables
 
     def _device_totals(self):
         """The counts after an update, as device scalars where the device corrects
