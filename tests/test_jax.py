@@ -562,14 +562,18 @@ def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
 
 
 @pytest.mark.parametrize("options", [
-    {}, {"noise_scale": False}, {"skip_nonfinite": True}, {"accumulator_dtype": "bfloat16"},
-    {"leftover": "drop"}, {"leftover": "carry"}, {"reduction": "mean"}, {"log_dir": True}],
-    ids=["defaults", "no_noise", "skip_nonfinite", "bfloat16", "drop", "carry", "mean",
+    {}, {"skip_nonfinite": True}, {"accumulator_dtype": "bfloat16"}, {"leftover": "drop"},
+    {"leftover": "carry"}, {"reduction": "mean"}, {"noise_scale": None}, {"log_dir": True}],
+    ids=["no_noise", "skip_nonfinite", "bfloat16", "drop", "carry", "mean", "noise_scale",
          "log_dir"])
 def test_a_window_runs_as_one_program_as_its_micro_steps_do(options, tmp_path, monkeypatch):
     # steps_per_execution a multiple of accumulation_steps: each full window
-    # (after the first update) runs as one compiled program; the result is
-    # the micro-step path's, counters and dashboard included.
+    # (after the first update) runs as one compiled program where no observer
+    # takes each micro-batch's gradient norm (the noise scale, the dashboard:
+    # their micro-steps run one by one); the result is the micro-step path's,
+    # counters and dashboard included.
+    options = dict({"noise_scale": False}, **options)
+    observed = options["noise_scale"] is not False or "log_dir" in options
     from reference import read_run
 
     from tfaccum.backend.jax.hook import AccumulationHook
@@ -593,7 +597,7 @@ def test_a_window_runs_as_one_program_as_its_micro_steps_do(options, tmp_path, m
         if spe == 1:
             assert not windows_compiled
     (one, one_callback), (window, window_callback) = runs[1], runs[8]
-    assert windows_compiled and set(windows_compiled) == {4}
+    assert (not windows_compiled) if observed else set(windows_compiled) == {4}
     assert max_diff(window, one) < 1e-6
     assert window_callback.counters == one_callback.counters
     assert int(window.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy())

@@ -149,14 +149,17 @@ class AccumulationHook(HookFront):
         Where `steps_per_execution` is a multiple of `accumulation_steps` and
         an execution begins with the window empty, on one device; after the
         first update (the first steps trace one by one, so that a refusal
-        leaves a plain model) and where no step says a tensor count (each is
-        checked before its window is applied).
+        leaves a plain model), where no step says a tensor count (each is
+        checked before its window is applied), and where no observer (the
+        noise scale, the dashboard) takes each micro-batch's gradient norm:
+        inside the compiled loop that read held 1.6 parameter bytes more and
+        cost a fifth of plain's epoch on the CPU (`benchmarks/jax_backend.py`).
         """
         values = self.counts.values
         return (self.model.steps_per_execution % self._steps == 0
                 and values["window_micro_batches"] == 0 and values["optimizer_steps"] > 0
                 and self.devices.shares == 1 and not self._compiled.says_counts
-                and self._accumulators is not None)
+                and not self.observers and self._accumulators is not None)
 
     def _window_steps(self, state, iterator):
         """`steps_per_execution` micro-batches, a window at a time; a window the
@@ -194,10 +197,11 @@ class AccumulationHook(HookFront):
             batch)) else jnp.stack
         stacked = jax.tree.map(lambda *leaves: stack(leaves), *batch)
         counts, steps = self.counts, len(batch)
+        self._accumulators = None  # freed: the window makes its own (`CompiledSteps.window`)
         (logs, state, self._accumulators, self._observed, counts.on_device, window,
          contributing) = self._compiled.window(
-            state, self._accumulators, self._observed, counts.on_device, stacked,
-            self._window_vector(), jnp.asarray(samples, jnp.int32))
+            state, self._observed, counts.on_device, stacked, self._window_vector(),
+            jnp.asarray(samples, jnp.int32))
         counts.add(micro_steps=steps, samples=steps * samples, window_micro_batches=steps,
                    window_samples=steps * samples)
         self._ended(window, contributing, state[2])

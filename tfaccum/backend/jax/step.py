@@ -125,7 +125,7 @@ class CompiledSteps:
         self.apply = compile_(each_share(
             self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
         # A whole window as one program (one device: `hook.compiles_windows`).
-        self.window = compile_(self._window, (0, 1, 2, 3))
+        self.window = compile_(self._window, (0, 1, 2))
 
     # -- inside the compiled functions ----------------------------------------------
 
@@ -178,10 +178,14 @@ class CompiledSteps:
         state = (trainable, non_trainable, optimizer_variables, metrics)
         return logs, state, accumulators, observed, counted, jnp.reshape(share["count"], (-1,))
 
-    def _window(self, state, accumulators, observed, counted, stacked, window, samples):
+    def _window(self, state, observed, counted, stacked, window, samples):
         """A window's micro-batches (`stacked` along a first axis, each of `samples`)
         added one after the other in a loop, then normalised and applied, as
         `accumulate`, `normalize` and `apply` do them one call at a time.
+
+        The accumulators are made here, empty, and returned: passed in, the
+        loop would start from a copy of them (the hook lets go of its own
+        first).
 
         Args:
             window: The window vector before it (empty: the micro-step's
@@ -194,6 +198,8 @@ class CompiledSteps:
         """
         steps = jax.tree.leaves(stacked)[0].shape[0]
         trainable, non_trainable, optimizer_variables, metrics = state
+        dtype = jnp.bfloat16 if self.rounding.rounds else jnp.float32
+        accumulators = [jnp.zeros(v.shape, dtype) for v in trainable]
         # The loop carries what a micro-step changes; the weights (and the
         # optimizer's state, but for a loss scale a micro-batch left out
         # lowers) are read as they are, not copied into the loop's state.
