@@ -576,11 +576,11 @@ def test_a_window_runs_as_one_program_as_its_micro_steps_do(options, tmp_path, m
     observed = options["noise_scale"] is not False or "log_dir" in options
     from reference import read_run
 
-    from tfaccum.backend.jax.hook import AccumulationHook
+    from tfaccum.backend.jax.window_program import WindowProgram
 
     windows_compiled = []
-    step = AccumulationHook._window_step
-    monkeypatch.setattr(AccumulationHook, "_window_step", lambda self, state, batch: (
+    step = WindowProgram.step
+    monkeypatch.setattr(WindowProgram, "step", lambda self, state, batch: (
         windows_compiled.append(len(batch)), step(self, state, batch))[1])
     x, y = make_data(n=100)  # 13 micro-batches an epoch: 3 windows of 4 and 1 left
     x[45, 0] = np.inf if options.get("skip_nonfinite") else x[45, 0]

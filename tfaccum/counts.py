@@ -119,6 +119,16 @@ class HostCounts:
         values["optimizer_steps"] -= device["windows_left_out"]
         return values
 
+    def unread(self, ops):
+        """The counts now, as device scalars (`ops`: the backend's array namespace)
+        where the device corrects the host's (what was left out), without a read."""
+        device = dict(zip(DEVICE_COUNTS, ops.reshape(self.on_device,
+                                                     (-1, len(DEVICE_COUNTS))).sum(axis=0)))
+        values = dict(self.values)
+        values["nonfinite_skips"] = device["nonfinite_skips"]
+        values["optimizer_steps"] = values["optimizer_steps"] - device["windows_left_out"]
+        return values
+
     def window_values(self):
         """The open window's host counts, in `WINDOW_COUNTS`' order (the step
         takes `window_items`, `window_nonfinite` and the samples left out from

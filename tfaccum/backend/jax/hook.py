@@ -9,7 +9,6 @@ step and updated in place.
 
 import random
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,10 +23,10 @@ from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import WindowObserver
 from tfaccum.observing import tell
 from tfaccum.backend.jax.step import CompiledSteps
+from tfaccum.backend.jax.window_program import WindowProgram
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
 from tfaccum.counts import Window
-from tfaccum.counts import DEVICE_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import device_index
 
@@ -65,6 +64,7 @@ class AccumulationHook(HookFront):
                                        jit=model.jit_compile and not model.run_eagerly,
                                        devices=self.devices, rounding=rounding,
                                        skip_nonfinite=self.skip_nonfinite)
+        self.windows = WindowProgram(self)
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -132,8 +132,8 @@ class AccumulationHook(HookFront):
         so that it never leaves the variables with deleted arrays.
         """
         _keras_on_jax.publish(self.model, state)  # before anything is donated
-        if self.compiles_windows():
-            return self._window_steps(state, iterator)
+        if self.windows.serves():
+            return self.windows.execution(state, iterator)
         logs, state = self._interruptible_step(state, next(iterator))
         for _ in range(self.model.steps_per_execution - 1):
             try:
@@ -143,68 +143,10 @@ class AccumulationHook(HookFront):
             logs, state = self._interruptible_step(state, data)
         return logs, state
 
-    def compiles_windows(self):
-        """Whether this execution's windows run as one compiled program each.
-
-        Where `steps_per_execution` is a multiple of `accumulation_steps` and
-        an execution begins with the window empty, on one device; after the
-        first update (the first steps trace one by one, so that a refusal
-        leaves a plain model), where no step says a tensor count (each is
-        checked before its window is applied), and where no observer (the
-        noise scale, the dashboard) takes each micro-batch's gradient norm:
-        inside the compiled loop that read held 1.6 parameter bytes more and
-        cost a fifth of plain's epoch on the CPU (`benchmarks/jax_backend.py`).
-        """
-        values = self.counts.values
-        return (self.model.steps_per_execution % self._steps == 0
-                and values["window_micro_batches"] == 0 and values["optimizer_steps"] > 0
-                and self.devices.shares == 1 and not self._compiled.says_counts
-                and not self.observers and self._accumulators is not None)
-
-    def _window_steps(self, state, iterator):
-        """`steps_per_execution` micro-batches, a window at a time; a window the
-        data ends inside, or of micro-batches of different shapes, one by one."""
-        logs = None
-        for _ in range(self.model.steps_per_execution // self._steps):
-            batch = []
-            for _ in range(self._steps):
-                try:
-                    batch.append(next(iterator))
-                except StopIteration:
-                    break
-            if not batch:
-                if logs is None:
-                    raise StopIteration
-                break
-            shapes = {tuple(np.shape(leaf) for leaf in jax.tree.leaves(data)) for data in batch}
-            if len(batch) < self._steps or len(shapes) > 1:
-                for data in batch:
-                    logs, state = self._interruptible_step(state, data)
-                break
-            logs, state = self._interruptible_step(state, batch, self._window_step)
-        return logs, state
-
     def _interruptible_step(self, state, data, step=None):
         with interrupts.deferred(lambda: _keras_on_jax.write_published(self.model)):
             logs, state = (step or self._micro_step)(state, data)
             _keras_on_jax.publish(self.model, state)
-        return logs, state
-
-    def _window_step(self, state, batch):
-        """A full window as one compiled program (`CompiledSteps.window`)."""
-        samples = _keras_on_jax.batch_size(batch[0])
-        stack = np.stack if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(
-            batch)) else jnp.stack
-        stacked = jax.tree.map(lambda *leaves: stack(leaves), *batch)
-        counts, steps = self.counts, len(batch)
-        self._accumulators = None  # freed: the window makes its own (`CompiledSteps.window`)
-        (logs, state, self._accumulators, self._observed, counts.on_device, window,
-         contributing) = self._compiled.window(
-            state, self._observed, counts.on_device, stacked, self._window_vector(),
-            jnp.asarray(samples, jnp.int32))
-        counts.add(micro_steps=steps, samples=steps * samples, window_micro_batches=steps,
-                   window_samples=steps * samples)
-        self._ended(window, contributing, state[2])
         return logs, state
 
     def _micro_step(self, state, data):
@@ -235,7 +177,7 @@ class AccumulationHook(HookFront):
                                           counts.on_device, data, self._window_vector(),
                                           jnp.asarray(samples, jnp.int32)))
             if self._compiled.says_counts:
-                self._check_said(state, said)
+                check_said(self, state, said)
             counts.add(micro_steps=1, samples=samples, window_micro_batches=1,
                        window_samples=samples)
             if counts.values["window_micro_batches"] >= self._steps:
@@ -249,20 +191,6 @@ class AccumulationHook(HookFront):
                 self.uninstall()  # `fit` stops here
             raise
         return logs, state
-
-    def _check_said(self, state, said):
-        """Checks the counts `count_items()` said in the step, each device's (read
-        on the host once a micro-step: only a step that says one waits). A bad
-        one fails `fit` before its window is applied: the model keeps the state
-        this step left, the hook is removed."""
-        try:
-            for count in np.ravel(self.devices.entries(said)).tolist():
-                said_items.check_number(count)
-        except (TypeError, ValueError):
-            _keras_on_jax.restore(self.model, state)
-            self._accumulators = self._observed = None
-            self.uninstall()
-            raise
 
     def _window_vector(self):
         """The open window's counts, then the micro-step's number (`step.STEP`)."""
@@ -296,22 +224,12 @@ class AccumulationHook(HookFront):
         self._iterations += 1
         totals, iterations = counts.values, self._iterations
         if self.skip_nonfinite:
-            totals = self._device_totals()
+            totals = counts.unread(jnp)
             # A copy: the next step is given (and donates) the optimizer's state.
             iterations = jnp.copy(optimizer_variables[_keras_on_jax.iterations_position(
                 self.model.optimizer)])
         for observer in self.observers:
             observer.after_apply(iterations, window, totals)
-
-    def _device_totals(self):
-        """The counts after an update, as device scalars where the device corrects
-        the host's (micro-batches and windows left out), without a read."""
-        device = dict(zip(DEVICE_COUNTS, jnp.reshape(self.counts.on_device,
-                                                     (-1, len(DEVICE_COUNTS))).sum(axis=0)))
-        values = dict(self.counts.values)
-        values["nonfinite_skips"] = device["nonfinite_skips"]
-        values["optimizer_steps"] = values["optimizer_steps"] - device["windows_left_out"]
-        return values
 
     # -- host-triggered window ends -----------------------------------------
 
@@ -388,3 +306,18 @@ def check_served(model, configuration, observers):
         refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses: what "
                "they keep across a window is TensorFlow code for now)",
                "Use BatchNormalization and a loss of each micro-batch.")
+
+
+def check_said(hook, state, said):
+    """Checks the counts `count_items()` said in a step, each device's (read on
+    the host once a micro-step: only a step that says one waits). A bad one
+    fails `fit` before its window is applied: the model keeps the state this
+    step left, the hook is removed."""
+    try:
+        for count in np.ravel(hook.devices.entries(said)).tolist():
+            said_items.check_number(count)
+    except (TypeError, ValueError):
+        _keras_on_jax.restore(hook.model, state)
+        hook._accumulators = hook._observed = None
+        hook.uninstall()
+        raise

@@ -112,6 +112,7 @@ class CompiledSteps:
         # One device's share run outside `jit` runs op by op over the mesh
         # (minutes for a small transformer): several devices always compile.
         jit = jit or self.devices.shares > 1
+        self.jit = jit
         compile_ = (lambda f, donate: jax.jit(f, donate_argnums=donate)) if jit else (
             lambda f, donate: f)
         each_share = self.devices.each_share
@@ -124,8 +125,6 @@ class CompiledSteps:
             (SPLIT, SHARED, SPLIT, SHARED, SHARED)), (0, 1, 2))
         self.apply = compile_(each_share(
             self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
-        # A whole window as one program (one device: `hook.compiles_windows`).
-        self.window = compile_(self._window, (0, 1, 2))
 
     # -- inside the compiled functions ----------------------------------------------
 
@@ -177,59 +176,6 @@ class CompiledSteps:
                                                      y_pred)
         state = (trainable, non_trainable, optimizer_variables, metrics)
         return logs, state, accumulators, observed, counted, jnp.reshape(share["count"], (-1,))
-
-    def _window(self, state, observed, counted, stacked, window, samples):
-        """A window's micro-batches (`stacked` along a first axis, each of `samples`)
-        added one after the other in a loop, then normalised and applied, as
-        `accumulate`, `normalize` and `apply` do them one call at a time.
-
-        The accumulators are made here, empty, and returned: passed in, the
-        loop would start from a copy of them (the hook lets go of its own
-        first).
-
-        Args:
-            window: The window vector before it (empty: the micro-step's
-                number only, `STEP`).
-
-        Returns:
-            The last micro-step's logs, the state, the accumulators, the
-            observers' states, the device's counts, the window's counts and
-            whether it was applied.
-        """
-        steps = jax.tree.leaves(stacked)[0].shape[0]
-        trainable, non_trainable, optimizer_variables, metrics = state
-        dtype = jnp.bfloat16 if self.rounding.rounds else jnp.float32
-        accumulators = [jnp.zeros(v.shape, dtype) for v in trainable]
-        # The loop carries what a micro-step changes; the weights (and the
-        # optimizer's state, but for a loss scale a micro-batch left out
-        # lowers) are read as they are, not copied into the loop's state.
-        carries_optimizer = self._loss_scale is not None
-
-        def add(carry, item):
-            data, k = item
-            non_trainable, metrics, optimizer, accumulators, observed, counted = carry
-            optimizer = optimizer if carries_optimizer else optimizer_variables
-            open_window = window.at[0].set(k).at[1].set(k * samples).at[STEP].add(k)
-            logs, state, accumulators, observed, counted, _ = self._accumulate(
-                (trainable, non_trainable, optimizer, metrics), accumulators, observed,
-                counted, data, open_window, samples)
-            optimizer = state[2] if carries_optimizer else ()
-            return (state[1], state[3], optimizer, accumulators, observed, counted), logs
-
-        carry = (non_trainable, metrics, optimizer_variables if carries_optimizer else (),
-                 accumulators, observed, counted)
-        carry, logs = jax.lax.scan(add, carry, (stacked, jnp.arange(steps, dtype=jnp.int32)))
-        non_trainable, metrics, optimizer, accumulators, observed, counted = carry
-        if carries_optimizer:
-            optimizer_variables = optimizer
-        end = window.at[0].set(steps).at[1].set(steps * samples).at[STEP].add(steps)
-        accumulators, observed, counted, counts, contributing = self._normalize(
-            accumulators, observed, counted, end)
-        trainable, optimizer_variables = self._apply(
-            trainable, optimizer_variables, accumulators, contributing)
-        logs = jax.tree.map(lambda value: value[-1], logs)
-        return (logs, (trainable, non_trainable, optimizer_variables, metrics), accumulators,
-                observed, counted, counts, contributing)
 
     def _share(self, state, accumulators, counted, data, open_window, samples):
         """One device's share of a micro-batch: its gradient added, as its reduction weighs it.
