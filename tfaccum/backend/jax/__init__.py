@@ -1,11 +1,14 @@
 """Keras 3's JAX backend: the host counts the window and picks a compiled step.
 
 `hook.py` (the hook, the same public surface as TensorFlow's), `step.py`
-(the compiled functions: accumulate, normalize, apply), `devices.py` (one
-device, or `keras.distribution.DataParallel`'s devices, each with its own
-partial sums), `installation.py` (the train function swapped in),
-`summary.py` (the dashboard's series) and `_keras_on_jax.py` (what the JAX
-trainer is read for). `BACKEND` is what the callback asks.
+(the compiled functions: accumulate, normalize, apply), `window_program.py`
+(a whole window as one of them, where `steps_per_execution` allows),
+`devices.py` (one device, or `keras.distribution.DataParallel`'s devices,
+in one process or several, each with its own partial sums),
+`precision.py` (bfloat16 accumulators), `installation.py` (the train
+function swapped in), `summary.py` (the dashboard's series) and
+`_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is what
+the callback asks.
 """
 
 from tfaccum.backend import Backend
