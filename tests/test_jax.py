@@ -534,12 +534,14 @@ def global_windows(left_out=()):
     return updates
 
 
-@pytest.mark.parametrize("case", ["tfaccum", "nonfinite"])
+@pytest.mark.parametrize("case", ["tfaccum", "nonfinite", "bfloat16"])
 def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
     # Each process feeds its own shard; a micro-step's global batch is both
     # processes' micro-batches. With `nonfinite` one sample of the second
     # process's third micro-batch is infinite: the global micro-batch is
-    # left out whole, on both. Process 0 alone writes the summaries.
+    # left out whole, on both. With `bfloat16` the accumulators round
+    # stochastically, alike on both processes: close to the large batch, not
+    # equal. Process 0 alone writes the summaries.
     from two_jax_processes import build_model
     from two_jax_processes import data
 
@@ -550,7 +552,7 @@ def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
     updates = global_windows(left_out=(2,) if case == "nonfinite" else ())
     reference = build_model(keras)
     train_large_batches(reference, x, y, updates)
-    assert max_diff(weights[0], reference) < TOL
+    assert max_diff(weights[0], reference) < (1e-2 if case == "bfloat16" else TOL)
     assert max_diff(weights[0], build_model(keras)) > 1e-2
     assert counters[0]["optimizer_steps"] == counters[0]["iterations"] == len(updates) == 6
     assert counters[0]["samples"] == sum(len(u) for u in updates)

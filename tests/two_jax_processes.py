@@ -5,7 +5,8 @@ processes (one CPU device each, `jax.distributed.initialize`, JAX's CPU
 collectives) and waits; each feeds its own shard of the data
 (`auto_shard_dataset=False`) and saves its weights and counters in OUT.
 CASE is `plain` (Keras alone) or a set of the callback's options by name
-(`tfaccum`, `nonfinite`: a sample of the second process's shard is infinite).
+(`tfaccum`, `nonfinite`: a sample of the second process's shard is infinite;
+`bfloat16`: bfloat16 accumulators).
 """
 
 import json
@@ -62,7 +63,8 @@ def train(out, case, process, port):
     if case != "plain":
         callbacks = [tfaccum.GradientAccumulationCallback(
             accumulation_steps=STEPS, log_dir=os.path.join(out, "logs"),
-            skip_nonfinite=case == "nonfinite")]
+            skip_nonfinite=case == "nonfinite",
+            accumulator_dtype="bfloat16" if case == "bfloat16" else "float32")]
     batch = LOCAL_BATCH * (STEPS if case == "plain" else 1)
     model.fit(shard(x, process), shard(y, process), batch_size=batch, epochs=EPOCHS,
               shuffle=False, verbose=0, callbacks=callbacks)
