@@ -151,6 +151,10 @@ class HostCounts:
         self.on_device = self.devices.zeros((len(DEVICE_COUNTS),), "int32")
 
 
+# The device's counts of the open window: emptied where a window ends or is dropped.
+DEVICE_WINDOW_COUNTS = ("window_items", "window_nonfinite", "window_samples_left_out")
+
+
 def device_index(name):
     """Where `name` is in the device's vector of counts (`DEVICE_COUNTS`)."""
     return DEVICE_COUNTS.index(name)

@@ -75,6 +75,11 @@ class SeveralDevices(OneDevice):
         self.mesh = distribution.device_mesh.backend_mesh
         self.axis = distribution.batch_dim_name
         self.shares = int(self.mesh.shape[self.axis])
+        # Reads of a `SPLIT` array into one every process holds (another
+        # process's entries cannot be fetched), compiled once.
+        everywhere = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self._summed = jax.jit(lambda a: a.sum(axis=0), out_shardings=everywhere)
+        self._gathered = jax.jit(lambda a: a, out_shardings=everywhere)
 
     def __repr__(self):
         return f"SeveralDevices(devices={self.shares}, axis={self.axis!r})"
@@ -97,17 +102,10 @@ class SeveralDevices(OneDevice):
         return value[0]
 
     def read(self, split):
-        # Summed where the entries live, into an array every process holds
-        # (another process's entries cannot be fetched).
-        total = jax.jit(lambda a: a.sum(axis=0), out_shardings=jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec()))
-        return np.asarray(total(split))
+        return np.asarray(self._summed(split))  # summed where the entries live
 
     def entries(self, split):
-        """A `SPLIT` array's entries, one per device, on the host."""
-        gather = jax.jit(lambda a: a, out_shardings=jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec()))
-        return np.asarray(gather(split))
+        return np.asarray(self._gathered(split))
 
     def each_share(self, function, in_kinds, out_kinds):
         P = jax.sharding.PartitionSpec

@@ -27,6 +27,7 @@ from tfaccum.backend.jax.window_program import WindowProgram
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
 from tfaccum.counts import Window
+from tfaccum.counts import DEVICE_WINDOW_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import device_index
 
@@ -265,7 +266,7 @@ class AccumulationHook(HookFront):
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
             self.counts.clear_window()
-            for name in ("window_items", "window_nonfinite", "window_samples_left_out"):
+            for name in DEVICE_WINDOW_COUNTS:
                 self.counts.on_device = self.counts.on_device.at[..., device_index(name)].set(0)
             tell(self.observers, "on_reset")
         return window

@@ -35,6 +35,7 @@ from tfaccum.backend.jax.devices import SPLIT
 from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
+from tfaccum.counts import DEVICE_WINDOW_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import device_index
 
@@ -330,7 +331,7 @@ class CompiledSteps:
             if self.skips:
                 observed = select(contributing, observed, before)
             observed = tuple(dict(s, **o.on_reset(s)) for o, s in zip(self.observers, observed))
-        for name in ("window_items", "window_nonfinite", "window_samples_left_out"):
+        for name in DEVICE_WINDOW_COUNTS:
             counted = counted.at[device_index(name)].set(0)
         if self.skips:
             empty = (jnp.logical_not(contributing) & (self.devices.index() == 0))

@@ -108,8 +108,7 @@ class WindowProgram:
         """
         steps = jax.tree.leaves(stacked)[0].shape[0]
         trainable, non_trainable, optimizer_variables, metrics = state
-        dtype = jnp.bfloat16 if self.steps.rounding.rounds else jnp.float32
-        accumulators = [jnp.zeros(v.shape, dtype) for v in trainable]
+        accumulators = [jnp.zeros(v.shape, self.steps.rounding.dtype) for v in trainable]
         # The loop carries what a micro-step changes; the weights (and the
         # optimizer's state, but for a loss scale a micro-batch left out
         # lowers) are read as they are, not copied into the loop's state.
