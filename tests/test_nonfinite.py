@@ -112,3 +112,21 @@ def test_mixed_precision_overflow_is_left_out_and_lowers_the_scale(mixed_precisi
 def test_bad_skip_nonfinite():
     with pytest.raises(TypeError, match=r"`skip_nonfinite` must be None, True or False. Received: skip_nonfinite='yes'"):
         GradientAccumulationCallback(accumulation_steps=2, skip_nonfinite="yes")
+
+
+def test_a_hook_installed_by_hand_before_the_first_fit_scales_as_the_callback(mixed_precision):
+    # The LossScaleOptimizer is not built before the first `fit`: its loss
+    # scale's variables do not exist yet when the hook is installed.
+    from tfaccum import install_accumulation_hook
+
+    x, y = poisoned_data(target=1e5)
+    model = make_model(optimizer=scaled_adam)
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert hook.counters.nonfinite_skips == 1 and hook.counters.optimizer_steps == 1
+    assert float(loss_scale(model.optimizer)) == 2.0**8 / 2
+    reference = make_model(optimizer=scaled_adam)
+    reference.fit(*without_second_micro_batch(x, y), batch_size=24, epochs=1, shuffle=False,
+                  verbose=0)
+    assert max_weight_diff(reference, model) < 1e-5
+    hook.remove()

@@ -100,10 +100,6 @@ class CompiledSteps:
         self.reduction = reduction
         self.rounding = rounding or Rounding("float32")
         self.skips = skip_nonfinite
-        # Where a dynamic loss scale's variables are in the optimizer's: a
-        # micro-batch left out lowers it, as Keras lowers it after a step.
-        self._loss_scale = _keras_on_jax.loss_scale_positions(model.optimizer) if (
-            skip_nonfinite) else None
         # Whether a step said a tensor count (`count_items()`): the host checks it.
         self.says_counts = False
         self.observers = tuple(observers)
@@ -127,6 +123,13 @@ class CompiledSteps:
         self.apply = compile_(each_share(
             self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
 
+    @property
+    def loss_scale(self):
+        """Where a dynamic loss scale's variables are in the optimizer's (a micro-batch
+        left out lowers it, as Keras lowers it after a step), or `None`. Read as
+        the step traces: a hook may be installed before `fit` builds them."""
+        return _keras_on_jax.loss_scale_positions(self.model.optimizer) if self.skips else None
+
     # -- inside the compiled functions ----------------------------------------------
 
     def _accumulate(self, state, accumulators, observed, counted, data, open_window, samples):
@@ -147,8 +150,9 @@ class CompiledSteps:
         for i, value in zip(self._changed, changed):
             non_trainable[i] = self.devices.first(value)
         finite = jnp.reshape(share["finite"], (-1,))[0] > 0  # alike on every device
-        if self._loss_scale is not None:
-            scale, counter = self._loss_scale
+        loss_scale = self.loss_scale
+        if loss_scale is not None:
+            scale, counter = loss_scale
             optimizer_variables = list(optimizer_variables)
             optimizer_variables[scale] = jnp.where(
                 finite, optimizer_variables[scale], optimizer_variables[scale] * 0.5)
@@ -238,7 +242,7 @@ class CompiledSteps:
         if self.skips:
             # What the window holds was scaled by the loss scale, which a
             # micro-batch left out halves.
-            lowered = 0.5 if self._loss_scale is not None else 1.0
+            lowered = 0.5 if self.loss_scale is not None else 1.0
             summed = [jnp.where(finite, s, h * lowered) for s, h in zip(summed, held)]
             left = jnp.logical_not(finite)
             once = (left & (devices.index() == 0)).astype(jnp.int32)

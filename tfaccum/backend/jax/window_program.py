@@ -112,7 +112,7 @@ class WindowProgram:
         # The loop carries what a micro-step changes; the weights (and the
         # optimizer's state, but for a loss scale a micro-batch left out
         # lowers) are read as they are, not copied into the loop's state.
-        carries_optimizer = self.steps._loss_scale is not None
+        carries_optimizer = self.steps.loss_scale is not None
 
         def add(carry, item):
             data, k = item
