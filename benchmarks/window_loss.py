@@ -14,15 +14,19 @@ Each variant trains 2 windows (2 x N x 32 samples) alone in a fresh process,
 `--repeats` times in a new random order each round. Peak memory is
 TensorFlow's peak allocation (its BFC allocator, as in memory.py) over plain
 training at batch 32 on the same samples (so the data's own tensors cancel),
-in MiB; time is the fit's wall clock, after a first fit that traces.
-Reported: the median (min-max) over rounds.
+in MiB; on JAX (`--backend jax`, which reports no allocator peak on the CPU)
+the process's peak resident set size over plain's, as in jax_backend.py.
+Time is the fit's wall clock, after a first fit that traces (compiled with
+XLA on JAX, as Keras' default there). Reported: the median (min-max) over
+rounds.
 
-    python benchmarks/window_loss.py [--repeats 2] [--windows 2,8,32]
+    python benchmarks/window_loss.py [--repeats 2] [--windows 2,8,32] [--backend jax]
 """
 
 import argparse
 import json
 import os
+import resource
 import random
 import statistics
 import subprocess
@@ -37,9 +41,9 @@ def run_variant(variant, steps, args):
     """Trains one variant in this process; prints its peak memory and time."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    os.environ["KERAS_BACKEND"] = args.backend
     import keras
     import numpy as np
-    import tensorflow as tf
 
     import tfaccum
 
@@ -63,7 +67,8 @@ def run_variant(variant, steps, args):
         return window_loss.call(y_true, y_pred)
 
     loss = per_micro_batch if variant in ("ordinary", "plain") else window_loss
-    model.compile(keras.optimizers.Adam(1e-4), loss=loss, jit_compile=False)
+    model.compile(keras.optimizers.Adam(1e-4), loss=loss,
+                  jit_compile=args.backend == "jax")
     callbacks, batch = [], MICRO
     if variant == "large":
         batch = steps * MICRO
@@ -71,6 +76,15 @@ def run_variant(variant, steps, args):
         callbacks.append(tfaccum.GradientAccumulationCallback(accumulation_steps=steps))
     fit = dict(batch_size=batch, shuffle=False, verbose=0, callbacks=callbacks)
     model.fit(x, y, epochs=1, **fit)  # traces
+    if args.backend == "jax":
+        start = time.perf_counter()
+        model.fit(x, y, epochs=1, **fit)
+        seconds = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"peak": peak, "seconds": seconds}))
+        return
+    import tensorflow as tf
+
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     tf.config.experimental.reset_memory_stats(device)
     start = time.perf_counter()
@@ -80,8 +94,9 @@ def run_variant(variant, steps, args):
     print(json.dumps({"peak": peak, "seconds": seconds}))
 
 
-def measure(variant, steps):
-    command = [sys.executable, __file__, "--variant-only", variant, "--steps", str(steps)]
+def measure(variant, steps, backend):
+    command = [sys.executable, __file__, "--variant-only", variant, "--steps", str(steps),
+               "--backend", backend]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -96,6 +111,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--windows", default="2,8,32")
+    parser.add_argument("--backend", choices=("tensorflow", "jax"), default="tensorflow")
     parser.add_argument("--variant-only", choices=("plain", "large", "window", "ordinary"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
@@ -112,15 +128,16 @@ def main():
     for _ in range(args.repeats):
         order = plains + runs
         rng.shuffle(order)
-        results = {run: measure(*run) for run in order}
+        results = {run: measure(*run, args.backend) for run in order}
         for variant, n in runs:
             plain = results[("plain", n)]["peak"]
             memory[(variant, n)].append((results[(variant, n)]["peak"] - plain) / 2**20)
         for n in windows:
             ratio[n].append(results[("window", n)]["seconds"]
                             / results[("ordinary", n)]["seconds"])
-    print(f"Two towers ({TOKENS} tokens x {FEATURES} -> 3 x Dense({WIDTH}) per token -> "
-          f"{EMBEDDING}-d), InBatchSoftmax, micro-batches of {MICRO}; peak memory over plain "
+    unit = "peak resident memory" if args.backend == "jax" else "peak memory"
+    print(f"Keras 3 on {args.backend}. Two towers ({TOKENS} tokens x {FEATURES} -> 3 x Dense({WIDTH}) per token -> "
+          f"{EMBEDDING}-d), InBatchSoftmax, micro-batches of {MICRO}; {unit} over plain "
           f"training at batch {MICRO} on the same samples (MiB) and window-wide time over ordinary accumulation "
           f"of the same samples: median (min-max) of {args.repeats} rounds of fresh processes")
     print("| N (batch) | large batch | window-wide (tfaccum) | ordinary accumulation | "

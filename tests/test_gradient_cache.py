@@ -4,18 +4,21 @@ import math
 
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
 
 import tfaccum
+from reference import BACKEND
 from reference import KERAS
 from reference import compare
 from reference import keras
 from reference import max_diff
 from reference import mirrored
 
-pytestmark = pytest.mark.backend(
-    "tensorflow",
-    reason="window-wide losses are refused by name on JAX (test_jax.py::test_a_window_wide_loss_is_refused_by_name_when_made)")
+# What only TensorFlow has here: tf.distribute, its stateful random ops, its
+# loss-scaled window.
+ON_TENSORFLOW = pytest.mark.backend(
+    "tensorflow", reason="tf.distribute strategies (JAX's DataParallel: "
+    "test_data_parallel_gathers_the_window_as_one_device)")
 
 N, FEATURES = 38, 6
 
@@ -28,7 +31,7 @@ class LogScale(keras.layers.Layer):
             name="log_scale", shape=(), initializer=keras.initializers.Constant(math.log(2.0)))
 
     def call(self, inputs):
-        return tf.ones_like(inputs[:, :1]) * self.log_scale
+        return ops.ones_like(inputs[:, :1]) * self.log_scale
 
 
 def _tower(dropout=0.0, regularizer=None):
@@ -50,10 +53,11 @@ def _custom(y_true, y_pred):
     (The ranking term alone gives the document tower's last bias a zero
     gradient: AdamW would turn its rounding noise into full steps.)
     """
-    q, d = tf.split(y_pred, 2, axis=-1)
-    logits = tf.matmul(q, d, transpose_b=True)
-    ranking = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.range(tf.shape(q)[0]), logits)
-    return ranking + 0.1 * tf.reduce_sum(tf.square(q + d - tf.cast(y_true, q.dtype)), axis=-1)
+    q, d = ops.split(y_pred, 2, axis=-1)
+    logits = ops.matmul(q, ops.transpose(d))
+    ranking = ops.sparse_categorical_crossentropy(ops.arange(ops.shape(q)[0]), logits,
+                                                  from_logits=True)
+    return ranking + 0.1 * ops.sum(ops.square(q + d - ops.cast(y_true, q.dtype)), axis=-1)
 
 
 LOSSES = {
@@ -77,7 +81,8 @@ def build(loss="in_batch", optimizer="sgd_momentum", dropout=0.0, regularizer=No
     if loss == "clip":
         towers.append(LogScale()(first))
     model = keras.Model([first, second], keras.layers.Concatenate()(towers))
-    compile_kwargs.setdefault("jit_compile", False)
+    # TensorFlow's XLA cannot hold a growing window; JAX compiles it as users do.
+    compile_kwargs.setdefault("jit_compile", BACKEND != "tensorflow")
     model.compile(_optimizer(optimizer), loss=LOSSES[loss](), **compile_kwargs)
     return model
 
@@ -185,18 +190,50 @@ def test_the_reported_loss_is_the_large_batch_loss():
     assert history.history["loss"][0] != history.history["loss"][1]
 
 
+def loss_and_gradients(model, forward):
+    """`forward(model) -> loss` on the model's variables now, with its gradients
+    (TensorFlow's tape, or `jax.grad` of the stateless forward pass)."""
+    variables = model.trainable_variables
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = forward(model)
+        return loss, tape.gradient(loss, variables)
+    import jax
+
+    def stateless(trainable, non_trainable):
+        mapping = list(zip(variables, trainable)) + list(
+            zip(model.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            loss = forward(model)
+        return loss, [scope.get_current_value(v) for v in model.non_trainable_variables]
+
+    (loss, non_trainable), grads = jax.value_and_grad(stateless, has_aux=True)(
+        [v.value for v in variables], [v.value for v in model.non_trainable_variables])
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        if value is not None:
+            variable.assign(value)  # the seeds moved as the draws moved them
+    return loss, grads
+
+
 def _same_draws(reference, x):
     """The large batch of the same draws: windows of 3 micro-batches of 4 (24
-    samples), each micro-batch's forward pass in order, in one tape."""
+    samples), each micro-batch's forward pass in order, in one gradient."""
     loss = reference.loss
     reference.optimizer.build(reference.trainable_variables)
-    for start in (0, 12):
-        with tf.GradientTape() as tape:
-            outputs = tf.concat([
-                reference([x[0][i:i + 4], x[1][i:i + 4]], training=True)
+
+    def window(start):
+        def forward(model):
+            outputs = ops.concatenate([
+                model([x[0][i:i + 4], x[1][i:i + 4]], training=True)
                 for i in range(start, start + 12, 4)], axis=0)
-            value = tf.reduce_mean(loss(None, outputs))
-        grads = tape.gradient(value, reference.trainable_variables)
+            return ops.mean(loss(None, outputs))
+
+        return forward
+
+    for start in (0, 12):
+        _, grads = loss_and_gradients(reference, window(start))
         reference.optimizer.apply(grads, reference.trainable_variables)
     return reference
 
@@ -223,17 +260,24 @@ class Noise(keras.layers.Layer):
         if source == "layer_seed":
             self.seed_generator = keras.random.SeedGenerator(7)
         if source == "tf_generator":
+            import tensorflow as tf
+
             self.generator = tf.random.Generator.from_seed(1)
 
     def call(self, inputs, training=False):
         if not training:
             return inputs
-        shape = tf.shape(inputs)
         if self.source == "layer_seed":
-            noise = keras.random.uniform(shape, seed=self.seed_generator)
-        elif self.source == "global_seed":
-            noise = keras.random.uniform(shape)
-        elif self.source == "tf_stateful":
+            return inputs * (1.0 + 0.3 * keras.random.uniform(ops.shape(inputs),
+                                                              seed=self.seed_generator))
+        if self.source == "global_seed":
+            return inputs * (1.0 + 0.3 * keras.random.uniform(ops.shape(inputs)))
+        if self.source == "numpy":  # drawn as JAX traces the step: a constant of the trace
+            return inputs * (1.0 + 0.3 * np.random.uniform(size=inputs.shape[1:]))
+        import tensorflow as tf
+
+        shape = tf.shape(inputs)
+        if self.source == "tf_stateful":
             noise = tf.random.uniform(shape)
         elif self.source == "tf_stateful_in_a_cond":
             noise = tf.cond(shape[0] > 0, lambda: tf.random.uniform(shape), lambda: tf.zeros(shape))
@@ -257,8 +301,13 @@ def _noisy(source, run_eagerly=False):
     return model
 
 
+SEEDED = ["layer_seed", "gaussian_noise"] + [
+    pytest.param("global_seed", marks=pytest.mark.backend(
+        "tensorflow", reason="Keras' JAX trainer refuses unseeded random ops in a traced step"))]
+
+
 @pytest.mark.keras3
-@pytest.mark.parametrize("source", ["layer_seed", "global_seed", "gaussian_noise"])
+@pytest.mark.parametrize("source", SEEDED)
 def test_noise_drawn_from_seed_generators_is_replayed_exactly(source):
     """Against the large batch of the same draws: each micro-batch's forward pass
     in order (as the callback's first passes draw them), in one tape."""
@@ -272,6 +321,8 @@ def test_noise_drawn_from_seed_generators_is_replayed_exactly(source):
 
 
 @pytest.mark.keras3
+@pytest.mark.backend("tensorflow", reason="TensorFlow's stateful random ops (on JAX: "
+                     "test_noise_a_jax_replay_cannot_draw_again_is_refused_at_the_first_window)")
 @pytest.mark.parametrize("source, run_eagerly, op", [
     ("tf_stateful", False, "RandomUniform"),
     ("tf_stateful_in_a_cond", False, "RandomUniform"),
@@ -290,8 +341,22 @@ def test_noise_the_replay_cannot_draw_again_is_refused_by_name(source, run_eager
     assert max_diff(before, model) == 0
 
 
+@pytest.mark.backend("jax", reason="a trace's NumPy draws (TensorFlow's stateful ops: "
+                     "test_noise_the_replay_cannot_draw_again_is_refused_by_name)")
+def test_noise_a_jax_replay_cannot_draw_again_is_refused_at_the_first_window():
+    x, y = _data(16)
+    model = _noisy("numpy")
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"cannot draw again: the first window's replayed "
+                       r"outputs differ .*seed=self.seed_generator"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[
+            tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+    assert max_diff(before, model) == 0
+
+
 def mean_output(y_true, y_pred):
-    return tf.reduce_mean(y_pred, axis=-1)
+    return ops.mean(y_pred, axis=-1)
 
 
 def _subclassed(cls):
@@ -305,8 +370,8 @@ def _subclassed(cls):
 
 def _override():
     class Own(keras.Model):
-        def train_step(self, data):
-            return super().train_step(data)
+        def train_step(self, *args):  # (data), or JAX's (state, data)
+            return super().train_step(*args)
 
     return _subclassed(Own)
 
@@ -345,8 +410,12 @@ REFUSED = [
     (build, dict(skip_nonfinite=True), r"cannot meet skip_nonfinite=True"),
     (build, dict(accumulator_dtype="bfloat16"), r"cannot meet accumulator_dtype='bfloat16'"),
     (lambda: build(metrics=[mean_output]), {}, r"cannot meet compiled `metrics=`"),
-    (lambda: build(jit_compile=True), {}, r"cannot meet jit_compile=True.*jit_compile=False"),
-    (_override, {}, r"cannot meet a `train_step` of its own"),
+    pytest.param(lambda: build(jit_compile=True), {},
+                 r"cannot meet jit_compile=True.*jit_compile=False",
+                 marks=pytest.mark.backend("tensorflow", reason="JAX compiles a window of any "
+                                           "length: every test here runs compiled on JAX")),
+    # (On JAX the hook refuses any model's own train_step first.)
+    (_override, {}, r"(cannot meet|does not serve) a `train_step` of its own"),
     (_own_compute_loss, {}, r"cannot meet a `compute_loss` of its own"),
     (_masked_output, {}, r"has an output with a Keras mask"),
     (_batch_norm, {}, r"cannot meet batch normalization \(layers \['batch_normalization"),
@@ -371,6 +440,7 @@ def test_what_a_window_loss_cannot_meet_is_refused_by_name(make, kwargs, message
 
 
 @pytest.mark.keras3
+@ON_TENSORFLOW
 @pytest.mark.parametrize("case", [
     dict(loss="in_batch", optimizer="sgd_momentum", leftover="flush", log_dir=True),
     dict(loss="clip", optimizer="adamw", leftover="drop"),
@@ -398,6 +468,7 @@ def test_two_replicas_gather_the_window_as_one_device(case, tmp_path):
 
 
 @pytest.mark.keras3
+@ON_TENSORFLOW
 def test_two_replicas_under_mixed_precision(mixed_precision):
     x, y = _data(24)
     result = compare(lambda: build(optimizer="adamw"), x, y, micro=4, steps=3, epochs=2,
@@ -429,6 +500,8 @@ def test_tf_keras_dropout_is_refused_by_name():
 
 
 @pytest.mark.keras3
+@pytest.mark.backend("tensorflow", reason="refused on JAX: "
+                     "test_mixed_float16_is_refused_by_name_on_jax")
 def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
     """Under `LossScaleOptimizer` the window's loss is scaled before its gradient
     to the outputs is taken, and unscaled by the optimizer, as for the large batch."""
@@ -444,6 +517,8 @@ def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
 
 
 @pytest.mark.keras3
+@pytest.mark.backend("tensorflow", reason="refused on JAX: "
+                     "test_mixed_float16_is_refused_by_name_on_jax")
 def test_a_window_the_loss_scale_skips_is_not_an_update(mixed_precision):
     """A loss scale so large that every window's gradient overflows in float16:
     `LossScaleOptimizer` skips each window and lowers its scale, as it would
@@ -476,10 +551,9 @@ def test_the_dashboard_shows_the_window_loss(tmp_path):
     losses, norms = [], []
     for start in (0, 12):
         batch = [x[0][start:start + 12], x[1][start:start + 12]]
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(reference.loss(None, reference(batch, training=True)))
-        norms.append(float(tf.linalg.global_norm(
-            tape.gradient(loss, reference.trainable_variables))))
+        loss, grads = loss_and_gradients(reference, lambda model: ops.mean(
+            model.loss(None, model(batch, training=True))))
+        norms.append(float(np.sqrt(sum(np.sum(np.square(g)) for g in grads))))
         losses.append(float(loss))
         reference.train_on_batch(batch, y[start:start + 12])
     np.testing.assert_allclose(values(series, "window_loss"), losses, rtol=1e-5)
@@ -513,6 +587,8 @@ def test_several_outputs_each_lose_over_the_window():
 
 
 def test_a_dataset_trains_as_arrays_do():
+    import tensorflow as tf
+
     x, y = _data(30)
     dataset = tf.data.Dataset.from_tensor_slices(((x[0], x[1]), y)).batch(4)
     model = build()
@@ -551,6 +627,8 @@ def test_a_window_left_at_removal_is_not_carried_into_a_reinstalled_hook():
     assert max_diff(build(), model) > 1e-2
 
 
+@pytest.mark.backend("tensorflow", reason="TensorFlow keeps the window in buffers of the first "
+                     "layout; JAX keeps each micro-batch's arrays apart")
 def test_a_new_layout_of_micro_batches_is_refused_not_ignored():
     """Sample weights in a second `fit` would not reach the kept window: refused."""
     x, y = _data(16)
@@ -563,7 +641,11 @@ def test_a_new_layout_of_micro_batches_is_refused_not_ignored():
     assert tfaccum.AccumulationHook.installed_on(model) is None
 
 
+@pytest.mark.backend("tensorflow", reason="TensorFlow keeps the window's inputs in one buffer; "
+                     "JAX keeps each micro-batch's apart, whatever its length")
 def test_inputs_of_unknown_length_are_refused_by_name():
+    import tensorflow as tf
+
     keras.utils.set_random_seed(3)
     tokens = keras.Input((None,), dtype="int32")
     pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 8)(tokens))
@@ -579,6 +661,7 @@ def test_inputs_of_unknown_length_are_refused_by_name():
 
 
 @pytest.mark.keras3
+@ON_TENSORFLOW
 def test_a_strategy_of_one_replica_gathers_the_window_as_one_device():
     # MirroredStrategy on one GPU: the window ends in the cross-replica context.
     import tensorflow as tf
@@ -589,3 +672,110 @@ def test_a_strategy_of_one_replica_gathers_the_window_as_one_device():
                      epochs=2, strategy=one)
     assert result.diff < 1e-5, result.diff
     assert result.moved(lambda: build(loss="in_batch", optimizer="adamw")) > 1e-2
+
+
+@pytest.mark.backend("jax", reason="Keras' JAX trainer without jit (TensorFlow's step runs "
+                     "as a tf.function with jit_compile=False in every test here)")
+def test_an_uncompiled_jax_window_is_the_large_batch():
+    x, y = _data(30)
+    result = compare(lambda: build("nt_xent", "adamw", jit_compile=False), x, y, micro=4,
+                     steps=3, epochs=2)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(lambda: build("nt_xent", "adamw")) > 1e-2
+
+
+@pytest.mark.backend("jax", reason="keras.distribution.DataParallel (TensorFlow's replicas: "
+                     "test_two_replicas_gather_the_window_as_one_device)")
+@pytest.mark.parametrize("case", [
+    dict(loss="in_batch", optimizer="sgd_momentum", leftover="flush", log_dir=True),
+    dict(loss="clip", optimizer="adamw", leftover="drop"),
+], ids=["in_batch-log_dir", "clip-drop"])
+def test_data_parallel_gathers_the_window_as_one_device(case, tmp_path):
+    """The window's outputs over both devices: two devices equal one device's
+    large batch (38 samples: a last micro-batch of 2, split 1 and 1)."""
+    from reference import fit_accumulated
+    from reference import train_large_batches
+    from reference import windows
+
+    case = dict(case)
+    leftover = case.pop("leftover")
+    kwargs = dict(log_dir=str(tmp_path / "run")) if case.pop("log_dir", False) else {}
+    x, y = _data(38)
+    callback = tfaccum.GradientAccumulationCallback(accumulation_steps=3, leftover=leftover,
+                                                    **kwargs)
+    with keras.distribution.DataParallel().scope():
+        model = build(**case)
+        ours, callback = fit_accumulated(model, x, y, micro=4, steps=3, epochs=2,
+                                         callback=callback)
+    assert callback.hook.devices.shares == 2
+    updates = windows(38, 4, 3, 2, leftover)
+    theirs = train_large_batches(build(**case), x, y, updates)
+    from reference import largest_update_diff
+
+    assert len(ours) == len(theirs)
+    assert largest_update_diff(ours, theirs) < 1e-5
+    assert max_diff(build(**case), model) > 1e-2
+    assert callback.samples == 76
+    if kwargs:
+        from reference import read_run
+        from test_summary import values
+
+        series, _ = read_run(kwargs["log_dir"])
+        assert values(series, "window_samples") == [len(u) for u in updates]
+
+
+@pytest.mark.backend("jax", reason="served on TensorFlow: "
+                     "test_mixed_precision_scales_the_cached_gradients")
+def test_mixed_float16_is_refused_by_name_on_jax(mixed_precision):
+    x, y = _data(16)
+    model = build(optimizer="adamw")
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"cannot meet mixed_float16's LossScaleOptimizer on "
+                       r"Keras' JAX backend.*Use mixed_bfloat16"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[
+            tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
+    assert tfaccum.AccumulationHook.installed_on(model) is None
+    assert max_diff(before, model) == 0
+
+
+def _retrieval():
+    """keras-rs' basic retrieval with its in-batch softmax as a window-wide loss:
+    user and item towers (embeddings of ids), each user's item the positive,
+    the window's other items the negatives, an item met twice in a window not
+    its own negative (`keras_rs.layers.RemoveAccidentalHits`)."""
+    import keras_rs
+
+    keras.utils.set_random_seed(3)
+    users, items = keras.Input((1,), dtype="int32"), keras.Input((1,), dtype="int32")
+
+    def tower(ids):
+        # No bias: an item bias moves every score of a user alike, so its gradient
+        # is 0 and Adam would turn rounding noise into full steps.
+        return keras.Sequential([keras.layers.Embedding(ids, 8), keras.layers.Flatten(),
+                                 keras.layers.Dense(8, use_bias=False)])
+
+    model = keras.Model([users, items], keras.layers.Concatenate()(
+        [tower(20)(users), tower(12)(items)]))
+    remove_accidental_hits = keras_rs.layers.RemoveAccidentalHits()
+
+    def retrieval(item_ids, y_pred):
+        users, items = ops.split(y_pred, 2, axis=-1)
+        scores = ops.matmul(users, ops.transpose(items))
+        labels = ops.eye(ops.shape(scores)[0])
+        logits = remove_accidental_hits(scores, labels,
+                                        ops.reshape(ops.cast(item_ids, "int32"), (-1,)))
+        return keras.losses.categorical_crossentropy(labels, logits, from_logits=True)
+
+    model.compile(keras.optimizers.Adam(0.05), loss=tfaccum.WindowLoss(retrieval),
+                  jit_compile=BACKEND != "tensorflow")
+    return model
+
+
+@pytest.mark.keras3
+def test_a_keras_rs_retrieval_model_is_the_large_batch():
+    rng = np.random.default_rng(2)
+    users, items = rng.integers(0, 20, size=(38, 1)), rng.integers(0, 12, size=(38, 1))
+    result = compare(_retrieval, [users, items], items.astype("float32"), micro=4, steps=3,
+                     epochs=2)
+    assert result.diff < 1e-5, result.diff
+    assert result.moved(_retrieval) > 1e-2

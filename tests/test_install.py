@@ -90,12 +90,24 @@ EVERYTHING_JAX_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
                    leftover="drop")
     assert callback.nonfinite_skips == 2 and callback.optimizer_steps == 4, callback.counters
     fit(keras.distribution.DataParallel(), reduction="mean", skip_nonfinite=True)
+    # A window-wide loss (gradient caching), under DataParallel too.
+    for distribution in (None, keras.distribution.DataParallel()):
+        if distribution is not None:
+            keras.distribution.set_distribution(distribution)
+        query, document = keras.Input((5,)), keras.Input((5,))
+        towers = [keras.layers.Dense(4)(query), keras.layers.Dense(4)(document)]
+        model = keras.Model([query, document], keras.layers.Concatenate()(towers))
+        model.compile(optimizer="adam", loss=tfaccum.InBatchSoftmax())
+        callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4)
+        model.fit([x, x[::-1]], y, batch_size=8, verbose=0, callbacks=[callback])
+        keras.distribution.set_distribution(None)
+        assert callback.optimizer_steps == 2, callback.counters
     try:
-        tfaccum.InBatchSoftmax
+        tfaccum.AccumBatchNormalization
     except ImportError as error:
         assert "TensorFlow is not installed" in str(error), error
     else:
-        raise AssertionError("InBatchSoftmax without TensorFlow")
+        raise AssertionError("AccumBatchNormalization without TensorFlow")
     from tb_plugin import plugin  # the dashboard reads the run without TensorFlow
     assert "tensorflow" not in sys.modules, "tensorflow was imported"
     print("served without TensorFlow")

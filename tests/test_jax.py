@@ -46,21 +46,6 @@ def refused_then_plain(build, x, y, match, **callback_kwargs):
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
 
 
-@pytest.mark.parametrize("make", [
-    lambda: tfaccum.InBatchSoftmax(), lambda: tfaccum.NTXent(),
-    lambda: tfaccum.WindowLoss(lambda y_true, y_pred: y_pred[:, 0])],
-    ids=["InBatchSoftmax", "NTXent", "WindowLoss"])
-def test_a_window_wide_loss_is_refused_by_name_when_made(make, monkeypatch):
-    # Made of TensorFlow ops: Keras' JAX trainer would trace them with JAX's
-    # arrays (TracerArrayConversionError) before any callback is told of `fit`.
-    # Where tf_keras is loaded (another test imported it) the loss may be for
-    # a tf_keras model, on TensorFlow: only the hook can tell (its refusal).
-    monkeypatch.delitem(sys.modules, "tf_keras", raising=False)
-    with pytest.raises(ValueError, match=r"runs on Keras' TensorFlow backend only, for now, "
-                       r"but Keras is running on its 'jax' backend"):
-        make()
-
-
 def sequences(n=40):
     """Sequences padded to different lengths (1 to 6 tokens): micro-batches count
     different numbers of tokens."""

@@ -12,6 +12,7 @@ from tfaccum.counts import with_counter_properties
 from tfaccum.dashboard_writer import probe_log_dir
 from tfaccum.fit_scope import FitScope
 from tfaccum.schedule import AccumulationSchedule
+from tfaccum.window_losses import window_loss_of
 
 # Constructor arguments: the attribute that holds each (get_config, repr).
 _OPTIONS = {
@@ -219,7 +220,7 @@ class GradientAccumulationCallback(_keras.Callback):
         if self.noise_scale_option is not None:
             return self.noise_scale_option
         # A window-wide loss has no micro-batch gradient to compare.
-        return not self.schedule.always_one and not self._backend.has_window_loss(model)
+        return not self.schedule.always_one and window_loss_of(model) is None
 
     def _adopt_observers(self, hook):
         """Takes over the summaries and estimator of another callback's hook."""

@@ -44,11 +44,6 @@ class Backend(abc.ABC):
         """Whether this process (or worker) writes `model`'s summaries."""
 
     @abc.abstractmethod
-    def has_window_loss(self, model):
-        """Whether `model` is compiled with a window-wide loss (no micro-batch gradient
-        of its own: the noise scale is off by default)."""
-
-    @abc.abstractmethod
     def layer_observer_kinds(self, model):
         """The observer classes `model`'s layers need (pooled batch statistics)."""
 

@@ -5,7 +5,8 @@
 (a whole window as one of them, where `steps_per_execution` allows),
 `devices.py` (one device, or `keras.distribution.DataParallel`'s devices,
 in one process or several, each with its own partial sums),
-`precision.py` (bfloat16 accumulators), `installation.py` (the train
+`precision.py` (bfloat16 accumulators), `gradient_cache.py` (window-wide
+losses), `installation.py` (the train
 function swapped in), `summary.py` (the dashboard's series) and
 `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is what
 the callback asks.
@@ -17,8 +18,7 @@ from tfaccum.backend.jax.summary import AccumulationSummaries
 
 
 class JaxBackend(Backend):
-    """Keras 3 on JAX. tfaccum's own layers and losses are refused by name: a
-    window-wide loss when it is made, `AccumBatchNormalization` when the hook
+    """Keras 3 on JAX. `AccumBatchNormalization` is refused by name when the hook
     is made (`hook.check_served`)."""
 
     name = "jax"
@@ -30,9 +30,6 @@ class JaxBackend(Backend):
         same step (its collectives must match); the first writes them
         (`AccumulationSummaries`)."""
         return True
-
-    def has_window_loss(self, model):
-        return False  # refused when made (`tfaccum.WindowLoss`)
 
     def layer_observer_kinds(self, model):
         return []  # `AccumBatchNormalization` is refused when the hook is made

@@ -88,7 +88,7 @@ def republish(model):
     """Publishes the variables' state in place of a running `fit`'s (after the hook
     assigned them new arrays and donated the old: a flush)."""
     if getattr(model, "_jax_state", None):
-        publish(model, [[v.value for v in variables] for variables in _state_variables(model)])
+        publish(model, [[v.value for v in variables] for variables in state_variables(model)])
 
 
 def restore(model, state):
@@ -100,13 +100,13 @@ def restore(model, state):
     end would write back the state of the batch before, whose arrays the
     failed step was given (private: `_jax_state_synced`, the same versions).
     """
-    for variables, values in zip(_state_variables(model), state):
+    for variables, values in zip(state_variables(model), state):
         for variable, value in zip(variables, values):
             variable.assign(value)
     model._jax_state_synced = True
 
 
-def _state_variables(model):
+def state_variables(model):
     """The variables of the trainer's state, in its order."""
     return (model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables)
@@ -217,14 +217,11 @@ def ignore_class(model):
     return found[0] if found else None
 
 
-def toolkit_parts(model):
-    """tfaccum's own layers and losses in `model`: a class of tfaccum's among each
-    one's bases (`convert_batch_norm`'s layers carry Keras' name and module)."""
-    layers = [layer.name for layer in flatten_layers(model)
-              if any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)]
-    losses = [type(loss).__name__ for loss in keras.tree.flatten(getattr(model, "loss", None))
-              if type(loss).__module__.startswith("tfaccum.")]
-    return layers + losses
+def toolkit_layers(model):
+    """tfaccum's own layers in `model`: a class of tfaccum's among each one's bases
+    (`convert_batch_norm`'s layers carry Keras' name and module)."""
+    return [layer.name for layer in flatten_layers(model)
+            if any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)]
 
 
 def own_train_step(model):
@@ -238,3 +235,40 @@ def own_train_step(model):
         if "train_step" in vars(cls):
             return cls.__name__
     return None
+
+
+def training_arguments(model):
+    """`{"training": True}` where the model's `call` takes it, as Keras' JAX
+    trainer passes it (private: `Layer._call_has_training_arg`, Keras 3.7-3.15)."""
+    return {"training": True} if model._call_has_training_arg else {}
+
+
+def metrics_logs(model, metrics):
+    """Keras' logs of `metrics` (the metrics variables' values), as a step returns
+    them (public: `get_metrics_result()`, read in a stateless scope)."""
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
+        return model.get_metrics_result()
+
+
+def computes_loss_as_keras(model):
+    """Whether `model`'s class keeps Keras' own `compute_loss` (no override)."""
+    for cls in type(model).__mro__:
+        if "compute_loss" in vars(cls):
+            return cls.__module__.split(".")[0] == "keras"
+    return True
+
+
+def has_compiled_metrics(model):
+    """Whether `compile` was given `metrics=` or `weighted_metrics=` (private:
+    `Trainer._compile_metrics`, Keras 3.7-3.15)."""
+    from tfaccum._keras.models import metrics_given
+
+    return metrics_given(getattr(model, "_compile_metrics", None))
+
+
+def keras_mask(tensor):
+    """The Keras mask riding on a traced output, or `None` (private:
+    `keras.src.backend.common.masking.get_keras_mask`, Keras 3.7-3.15)."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(tensor)

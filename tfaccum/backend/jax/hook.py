@@ -24,12 +24,15 @@ from tfaccum.observing import WindowObserver
 from tfaccum.observing import tell
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.backend.jax.window_program import WindowProgram
+from tfaccum.backend.jax.gradient_cache import CachedWindow
+from tfaccum.backend.jax.gradient_cache import check_served as check_window_loss_served
 from tfaccum.hook_front import HookFront
 from tfaccum.counts import HostCounts
 from tfaccum.counts import Window
 from tfaccum.counts import DEVICE_WINDOW_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import device_index
+from tfaccum.window_losses import window_loss_of
 
 
 class AccumulationHook(HookFront):
@@ -46,6 +49,9 @@ class AccumulationHook(HookFront):
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
         check_served(model, configuration, observers)
+        loss = window_loss_of(model)
+        if loss is not None:
+            check_window_loss_served(model, loss, configuration)
         configuration.reduction.check(model)
         self.model = model
         self.configuration = configuration
@@ -66,6 +72,7 @@ class AccumulationHook(HookFront):
                                        devices=self.devices, rounding=rounding,
                                        skip_nonfinite=self.skip_nonfinite)
         self.windows = WindowProgram(self)
+        self.cached = CachedWindow(self, self._compiled.jit) if loss is not None else None
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -88,6 +95,8 @@ class AccumulationHook(HookFront):
             super().uninstall()
         finally:
             self._accumulators = None  # the window's memory, freed (observers are read after)
+            if self.cached is not None:
+                self.cached.reset()
 
     # -- configuration and counters ---------------------------------------------------
 
@@ -158,10 +167,6 @@ class AccumulationHook(HookFront):
             logs, state = self.model.train_step(state, data)
             self.counts.add(micro_steps=1)
             return logs, state
-        samples = _keras_on_jax.batch_size(data)
-        if self._accumulators is None:
-            dtype = self.configuration.accumulator_dtype
-            self._accumulators = [self.devices.zeros(v.shape, dtype) for v in state[0]]
         if self._observed is None:
             self._observed = tuple(observer.initial() for observer in self.observers)
         counts = self.counts
@@ -173,6 +178,11 @@ class AccumulationHook(HookFront):
             and counts.values["window_micro_batches"] + 1 >= self._steps)
         given = state
         try:
+            if self.cached is not None:
+                return self.cached.micro_step(state, data)
+            samples = _keras_on_jax.batch_size(data)
+            if self._accumulators is None:
+                self._accumulators = self._compiled.new_accumulators(state[0])
             logs, state, self._accumulators, self._observed, counts.on_device, said = (
                 self._compiled.accumulate(state, self._accumulators, self._observed,
                                           counts.on_device, data, self._window_vector(),
@@ -248,6 +258,9 @@ class AccumulationHook(HookFront):
         # the new ones to be assigned.
         with interrupts.deferred():
             self.counts.add(flushes=1)
+            if self.cached is not None:
+                self.cached.flush()
+                return window
             trainable, optimizer_variables = self._apply(*_keras_on_jax.state_of(model))
             for variable, value in zip(model.trainable_variables, trainable):
                 variable.assign(value)
@@ -269,6 +282,8 @@ class AccumulationHook(HookFront):
             for name in DEVICE_WINDOW_COUNTS:
                 self.counts.on_device = self.counts.on_device.at[..., device_index(name)].set(0)
             tell(self.observers, "on_reset")
+            if self.cached is not None:
+                self.cached.reset()
         return window
 
 
@@ -302,11 +317,10 @@ def check_served(model, configuration, observers):
         refuse(f"a `train_step` of its own ({own}.train_step: the JAX step computes the "
                "gradients itself, so yours would not run)",
                "Leave Keras' train_step (override compute_loss instead).")
-    toolkit = _keras_on_jax.toolkit_parts(model)
+    toolkit = _keras_on_jax.toolkit_layers(model)
     if toolkit:
-        refuse(f"tfaccum's {toolkit} (AccumBatchNormalization, window-wide losses: what "
-               "they keep across a window is TensorFlow code for now)",
-               "Use BatchNormalization and a loss of each micro-batch.")
+        refuse(f"tfaccum's AccumBatchNormalization ({toolkit}: what it keeps across a "
+               "window is TensorFlow code for now)", "Use BatchNormalization.")
 
 
 def check_said(hook, state, said):

@@ -123,6 +123,11 @@ class CompiledSteps:
         self.apply = compile_(each_share(
             self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
 
+    def new_accumulators(self, trainable):
+        """The window's accumulators for `trainable`, one set per device, in the
+        rounding's dtype."""
+        return [self.devices.zeros(v.shape, self.rounding.dtype) for v in trainable]
+
     @property
     def loss_scale(self):
         """Where a dynamic loss scale's variables are in the optimizer's (a micro-batch

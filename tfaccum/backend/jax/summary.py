@@ -69,6 +69,8 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         window_loss = jnp.where(
             counted, state["loss_items"] / jnp.maximum(state["items"], 1.0),
             state["loss_samples"] / jnp.maximum(state["samples"], 1.0))
+        if update.loss is not None:  # a window-wide loss: computed once over the window
+            window_loss = update.loss
         return dict(window_loss=window_loss,
                     micro_mean=jnp.where(measured, state["micro_sum"]
                                          / jnp.maximum(state["micro_count"], 1.0), nan),

@@ -45,7 +45,8 @@ class WindowProgram:
         return (hook.model.steps_per_execution % hook.accumulation_steps == 0
                 and values["window_micro_batches"] == 0 and values["optimizer_steps"] > 0
                 and hook.devices.shares == 1 and not self.steps.says_counts
-                and not hook.observers and hook._accumulators is not None)
+                and not hook.observers and hook._accumulators is not None
+                and hook.cached is None)
 
     def execution(self, state, iterator):
         """`steps_per_execution` micro-batches, a window at a time; a window the

@@ -17,7 +17,6 @@ from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.batch_norm import moments
 from tfaccum.backend.tensorflow.hook import AccumulationHook
 from tfaccum.backend.tensorflow.summary import AccumulationSummaries
-from tfaccum.backend.tensorflow.window_loss.losses import window_loss_of
 
 
 class TensorFlowBackend(Backend):
@@ -30,9 +29,6 @@ class TensorFlowBackend(Backend):
     def writes_summaries(self, model):
         """The chief writes, or the only worker."""
         return _keras_on_tf.writes_summaries(model.distribute_strategy)
-
-    def has_window_loss(self, model):
-        return window_loss_of(model) is not None
 
     def layer_observer_kinds(self, model):
         return [moments.BatchNormWindows] if moments.accumulating_layers(model) else []

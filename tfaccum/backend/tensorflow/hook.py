@@ -23,8 +23,8 @@ from tfaccum.backend.tensorflow.observer_states import ObserverStates
 from tfaccum.backend.tensorflow.rollback import StepRollback
 from tfaccum.backend.tensorflow.step import StepError
 from tfaccum.backend.tensorflow.window import WindowState
-from tfaccum.backend.tensorflow.window_loss.losses import check_window_loss_meets
-from tfaccum.backend.tensorflow.window_loss.losses import window_loss_of
+from tfaccum.backend.tensorflow.window_loss.checks import check_window_loss_meets
+from tfaccum.window_losses import window_loss_of
 from tfaccum.hook_front import HookFront
 
 

@@ -1,7 +1,7 @@
 """Window-wide losses on TensorFlow, a feature the hook composes.
 
-`losses` (`WindowLoss`, `InBatchSoftmax`, `NTXent`, and what a model compiled
-with one may meet) and `gradient_cache` (the train step that trains such a
-loss exactly by gradient caching, `CachingStep`). The hook picks that step
-when `losses.window_loss_of(model)` finds one.
+The losses are the core's (`tfaccum.window_losses`). `gradient_cache` (the
+train step that trains such a loss exactly by gradient caching,
+`CachingStep`) and `checks` (what it cannot meet on TensorFlow). The hook
+picks that step when `tfaccum.window_losses.window_loss_of(model)` finds one.
 """

@@ -4,35 +4,25 @@ A loss such as a two-tower model's in-batch softmax scores each query against
 every document of its batch. Accumulated micro-batch by micro-batch it would
 see only its micro-batch's negatives; compiled as a `WindowLoss`, the
 accumulation hook computes it over the whole window instead (gradient
-caching, `gradient_cache` in this package), so a window of micro-batches trains
-exactly as the large batch. Without the hook a `WindowLoss` is an ordinary
-Keras loss over its batch.
+caching: each backend's `gradient_cache` part), so a window of micro-batches
+trains exactly as the large batch. Without the hook a `WindowLoss` is an
+ordinary Keras loss over its batch.
 
 A window loss maps `(y_true, y_pred)` of a whole batch to one loss per
 sample, shape `(batch,)`; Keras averages it (with `sample_weight`) as it does
-any loss.
+any loss. The losses here are written in `keras.ops`: one definition serves
+every backend (and tf_keras, whose tensors Keras 3's TensorFlow ops take).
 """
 
 import math
-import sys
 
-import keras
-import tensorflow as tf
-
-from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.reduction import Auto
 
 
-def _check_tensorflow_backend(loss):
-    """Refuses a window-wide loss where Keras 3 does not run on TensorFlow (its ops
-    are TensorFlow's: Keras would trace them with JAX's arrays and fail)."""
-    backend = keras.backend.backend()
-    if backend != "tensorflow" and "tf_keras" not in sys.modules:
-        raise ValueError(
-            f"tfaccum.{loss} runs on Keras' TensorFlow backend only, for now, but Keras "
-            f"is running on its {backend!r} backend. Received: keras.backend.backend()="
-            f"{backend!r}. Set KERAS_BACKEND=tensorflow before Keras is first imported, "
-            "or compile with a loss of each micro-batch.")
+def _ops():
+    from keras import ops  # imported when first called: `import tfaccum` loads no Keras
+
+    return ops
 
 
 class WindowLoss:
@@ -48,26 +38,28 @@ class WindowLoss:
     Args:
         fn: `fn(y_true, y_pred) -> per-sample losses` (shape `(batch,)`),
             computed with the whole batch in view (e.g. in-batch negatives).
-            Subclasses implement `call()` instead.
+            Written in `keras.ops`, it serves every backend. Subclasses
+            implement `call()` instead.
         name: The loss's name. Defaults to `fn`'s (or the class's) name.
 
     Example:
 
     ```python
-    def in_batch(y_true, y_pred):   # y_pred: [queries | documents]
-        q, d = tf.split(y_pred, 2, axis=-1)
-        logits = tf.matmul(q, d, transpose_b=True)
-        labels = tf.range(tf.shape(logits)[0])
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    from keras import ops
 
-    model.compile(optimizer="adam", loss=tfaccum.WindowLoss(in_batch), jit_compile=False)
+    def in_batch(y_true, y_pred):   # y_pred: [queries | documents]
+        q, d = ops.split(y_pred, 2, axis=-1)
+        logits = ops.matmul(q, ops.transpose(d))
+        labels = ops.arange(ops.shape(logits)[0])
+        return ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+
+    model.compile(optimizer="adam", loss=tfaccum.WindowLoss(in_batch))
     model.fit(x, y, batch_size=32, callbacks=[
         tfaccum.GradientAccumulationCallback(accumulation_steps=8)])  # 256 negatives
     ```
     """
 
     def __init__(self, fn=None, *, name=None):
-        _check_tensorflow_backend(type(self).__name__)
         if fn is not None and not callable(fn):
             raise TypeError(
                 f"`fn` must be a callable `fn(y_true, y_pred)` returning one loss per "
@@ -124,8 +116,7 @@ class InBatchSoftmax(WindowLoss):
     ```python
     outputs = keras.layers.Concatenate()([query_tower(q), document_tower(d)])
     model = keras.Model([q, d], outputs)
-    model.compile("adam", loss=tfaccum.InBatchSoftmax(temperature=0.05),
-                  jit_compile=False)  # not XLA (Keras 3's "auto" on a GPU)
+    model.compile("adam", loss=tfaccum.InBatchSoftmax(temperature=0.05))
     ```
     """
 
@@ -138,25 +129,26 @@ class InBatchSoftmax(WindowLoss):
         super().__init__(name=name or "in_batch_softmax")
 
     def call(self, y_true, y_pred):
-        y_pred = tf.convert_to_tensor(y_pred)
+        ops = _ops()
+        y_pred = ops.convert_to_tensor(y_pred)
         if self.temperature == "learned":
             embeddings, log_scale = y_pred[:, :-1], y_pred[:, -1:]
-            scale = tf.exp(tf.cast(log_scale, tf.float32))
+            scale = ops.exp(ops.cast(log_scale, "float32"))
         else:
             embeddings, scale = y_pred, 1.0 / self.temperature
         _check_even(embeddings, "InBatchSoftmax", "[query | document]")
-        queries, documents = tf.split(tf.cast(embeddings, tf.float32), 2, axis=-1)
+        queries, documents = ops.split(ops.cast(embeddings, "float32"), 2, axis=-1)
         if self.normalize:
-            queries = tf.math.l2_normalize(queries, axis=-1)
-            documents = tf.math.l2_normalize(documents, axis=-1)
-        similarity = tf.matmul(queries, documents, transpose_b=True)
-        labels = tf.range(tf.shape(similarity)[0])
-        forward = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, similarity * scale)
+            queries, documents = _l2_normalize(queries), _l2_normalize(documents)
+        similarity = ops.matmul(queries, ops.transpose(documents))
+        labels = ops.arange(ops.shape(similarity)[0])
+        forward = ops.sparse_categorical_crossentropy(labels, similarity * scale,
+                                                      from_logits=True)
         if not self.symmetric:
             return forward
         # Every row's scale is the same: one scale, whichever way it is read.
-        backward = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels, tf.transpose(similarity) * scale)
+        backward = ops.sparse_categorical_crossentropy(
+            labels, ops.transpose(similarity) * scale, from_logits=True)
         return (forward + backward) / 2.0
 
     def get_config(self):
@@ -185,7 +177,7 @@ class NTXent(WindowLoss):
     ```python
     outputs = keras.layers.Concatenate()([encoder(view_1), encoder(view_2)])
     model = keras.Model([view_1, view_2], outputs)
-    model.compile("adam", loss=tfaccum.NTXent(temperature=0.5), jit_compile=False)
+    model.compile("adam", loss=tfaccum.NTXent(temperature=0.5))
     ```
     """
 
@@ -195,15 +187,16 @@ class NTXent(WindowLoss):
         super().__init__(name=name or "nt_xent")
 
     def call(self, y_true, y_pred):
-        y_pred = tf.cast(tf.convert_to_tensor(y_pred), tf.float32)
+        ops = _ops()
+        y_pred = ops.cast(ops.convert_to_tensor(y_pred), "float32")
         _check_even(y_pred, "NTXent", "[view 1 | view 2]")
-        first, second = tf.split(y_pred, 2, axis=-1)
-        views = tf.math.l2_normalize(tf.concat([first, second], axis=0), axis=-1)
-        n = tf.shape(first)[0]
-        logits = tf.matmul(views, views, transpose_b=True) / self.temperature
-        logits -= tf.eye(2 * n) * 1e9  # a view is not its own negative
-        labels = tf.concat([tf.range(n, 2 * n), tf.range(n)], axis=0)
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+        first, second = ops.split(y_pred, 2, axis=-1)
+        views = _l2_normalize(ops.concatenate([first, second], axis=0))
+        n = ops.shape(first)[0]
+        logits = ops.matmul(views, ops.transpose(views)) / self.temperature
+        logits = logits - ops.eye(2 * n) * 1e9  # a view is not its own negative
+        labels = ops.concatenate([ops.arange(n, 2 * n), ops.arange(n)], axis=0)
+        losses = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return (losses[:n] + losses[n:]) / 2.0
 
     def get_config(self):
@@ -211,6 +204,12 @@ class NTXent(WindowLoss):
 
     def __repr__(self):
         return f"NTXent(temperature={self.temperature!r})"
+
+
+def _l2_normalize(x):
+    # As `tf.math.l2_normalize`: a zero vector stays zero.
+    ops = _ops()
+    return x * ops.rsqrt(ops.maximum(ops.sum(ops.square(x), axis=-1, keepdims=True), 1e-12))
 
 
 def _check_temperature(temperature):
@@ -222,15 +221,24 @@ def _check_temperature(temperature):
 
 
 def _check_even(embeddings, loss, layout):
-    width = embeddings.shape[-1]
-    if embeddings.shape.rank != 2 or (width is not None and width % 2):
+    shape = tuple(embeddings.shape)
+    width = shape[-1] if shape else None
+    if len(shape) != 2 or (width is not None and width % 2):
         raise ValueError(
             f"`{loss}` expects `y_pred` of shape (batch, 2 * dim), laid out as "
-            f"{layout}. Received: y_pred of shape {embeddings.shape}")
+            f"{layout}. Received: y_pred of shape {shape}")
 
 
 def _snake(name):
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def _flatten(structure):
+    if isinstance(structure, dict):
+        return [leaf for value in structure.values() for leaf in _flatten(value)]
+    if isinstance(structure, (list, tuple)):
+        return [leaf for value in structure for leaf in _flatten(value)]
+    return [structure]
 
 
 def window_loss_of(model):
@@ -238,69 +246,47 @@ def window_loss_of(model):
 
     Read from `model.loss`, what `compile` received (both Keras versions).
     """
-    losses = getattr(model, "loss", None)
-    found = [loss for loss in tf.nest.flatten(losses) if isinstance(loss, WindowLoss)]
+    found = [loss for loss in _flatten(getattr(model, "loss", None))
+             if isinstance(loss, WindowLoss)]
     return found[0] if found else None
 
 
-def check_window_loss_meets(model, loss, configuration):
-    """Refuses, by name, what a window-wide loss (gradient caching) cannot meet yet.
+def check_meets(model, loss, configuration, *, keras_step, keras_compute_loss,
+                compiled_metrics, batch_norm):
+    """Refuses, by name, what a window-wide loss cannot meet on any backend.
 
-    `configuration`: the hook's `Configuration` (its reduction, accumulators,
-    observers).
+    Args:
+        model: The compiled model; `loss`, its `WindowLoss`.
+        configuration: The hook's `Configuration` (its reduction,
+            accumulators, observers).
+        keras_step: Whether the model keeps Keras' own `train_step`.
+        keras_compute_loss: Whether it keeps Keras' own `compute_loss`.
+        compiled_metrics: Whether it was compiled with `metrics=`.
+        batch_norm: The names of its batch normalization layers.
 
     Everything accepted is exact: the window's update is the large batch's.
     """
-    def refuse(what, why, fix):
+    def refuse(what, why, fix):  # each backend's checks raise alike (docs/refusals.md)
         raise ValueError(
             f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
             f"which cannot meet {what}: {why}. {fix}")
 
-    strategy = model.distribute_strategy
-    replicas = strategy.num_replicas_in_sync
-    if replicas > 1 and len(strategy.extended.worker_devices) < replicas:
-        refuse(f"a strategy across several machines ({type(strategy).__name__})",
-               "the window's outputs are gathered across one machine's replicas only",
-               "Train it on one machine (MirroredStrategy), or compile with an ordinary loss.")
-    api = _keras_on_tf.api_for(model)
-    if replicas > 1 and not api.gathers_across_replicas:
-        refuse(f"a tf_keras model under a strategy with {replicas} replicas",
-               "gathering the window's outputs across replicas is built for Keras 3 only",
-               "Use Keras 3, or one device.")
-    if not _keras_on_tf.trains_with_keras_step(model):
+    if not keras_step:
         refuse("a `train_step` of its own",
                "the window's loss is computed by tfaccum's step, which runs Keras' "
                "forward pass and compiled loss itself", "Use Keras' own `train_step`.")
-    if model.jit_compile:
-        refuse("jit_compile=True (which Keras 3's default, \"auto\", picks on a GPU)",
-               "the window's buffers grow with each micro-batch, which XLA's fixed shapes "
-               "do not allow", "Compile with jit_compile=False.")
-    if replicas > 1 and _keras_on_tf.may_hold_several_losses(model):
-        refuse(f"several compiled losses under a strategy with {replicas} replicas",
-               "the window's loss is taken whole and Keras' per-replica share undone for "
-               "it as one averaged loss", "Compile one loss, or train on one device.")
-    if not _keras_on_tf.computes_loss_as_keras(model):
+    if not keras_compute_loss:
         refuse("a `compute_loss` of its own", "the window's loss is computed from the "
                "window's outputs alone, without the inputs", "Use Keras' own `compute_loss`.")
-    if _keras_on_tf.api_for(model).has_compiled_metrics(model):
+    if compiled_metrics:
         refuse("compiled `metrics=`", "metrics of the window's outputs are not computed "
                "yet (the loss is reported, as the large batch's)",
                "Compile without metrics and evaluate with `model.evaluate()` or a "
                "callback.")
-    norms = [layer.name for layer in _keras_on_tf.flatten_layers(model)
-             if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__)]
-    if norms:
-        refuse(f"batch normalization (layers {norms})",
+    if batch_norm:
+        refuse(f"batch normalization (layers {batch_norm})",
                "each micro-batch's forward pass would run twice, with its own batch "
                "statistics", "Use LayerNormalization in the towers.")
-    random = _keras_on_tf.api_for(model).random_layers(model)
-    if random:
-        refuse(f"tf_keras layers that draw random numbers ({random})",
-               "their masks cannot be drawn again for the second forward pass",
-               "Use Keras 3 (its seed generators replay), or remove them.")
-    if not api.caches_under_loss_scaling and _keras_on_tf.scales_loss_dynamically(model.optimizer):
-        refuse("tf_keras' LossScaleOptimizer", "mixed precision is built for Keras 3 only",
-               "Use Keras 3, or float32.")
     if configuration.reduction != Auto():
         refuse(f"reduction={configuration.reduction!r}", "the loss itself averages over the "
                "window, as over the large batch", "Leave reduction=\"auto\".")
