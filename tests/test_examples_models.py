@@ -32,8 +32,6 @@ def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
     assert dashboard_runs(tmp_path) == {"mobilenet-4x8": 1}
 
 
-@pytest.mark.backend("tensorflow", reason="a window-wide loss (refused by name on JAX: "
-                     "test_jax.py::test_a_window_wide_loss_is_refused_by_name_when_made)")
 def test_dual_encoder_window_wide_is_the_batch_of_128(tmp_path):
     out = run("examples/dual_encoder_digits.py", "--epochs", "1", "--logdir", str(tmp_path))
     difference = float(re.search(r"largest weight difference (\S+)", out).group(1))

@@ -63,6 +63,7 @@ def _custom(y_true, y_pred):
 LOSSES = {
     "in_batch": lambda: tfaccum.InBatchSoftmax(temperature=0.5),
     "clip": lambda: tfaccum.InBatchSoftmax(temperature="learned", symmetric=True),
+    "raw": lambda: tfaccum.InBatchSoftmax(temperature=2.0, normalize=False),
     "nt_xent": lambda: tfaccum.NTXent(temperature=0.5),
     "custom": lambda: tfaccum.WindowLoss(_custom),
 }
@@ -100,6 +101,7 @@ CASES = [
     dict(loss="in_batch", optimizer="sgd_momentum", leftover="flush", n=38, steps=3),
     dict(loss="clip", optimizer="adamw", leftover="carry", n=38, steps=3),
     dict(loss="nt_xent", optimizer="sgd_momentum", leftover="drop", n=40, steps=3),
+    dict(loss="raw", optimizer="sgd_momentum", leftover="carry", n=38, steps=3),
     dict(loss="custom", optimizer="adamw", leftover="flush", n=38, steps=4,
          sample_weight=True, steps_per_execution=2),
 ]
