@@ -45,8 +45,7 @@ class WindowProgram:
         return (hook.model.steps_per_execution % hook.accumulation_steps == 0
                 and values["window_micro_batches"] == 0 and values["optimizer_steps"] > 0
                 and hook.devices.shares == 1 and not self.steps.says_counts
-                and not hook.observers and hook._accumulators is not None
-                and hook.cached is None)
+                and not hook.observers and hook.cached is None)
 
     def execution(self, state, iterator):
         """`steps_per_execution` micro-batches, a window at a time; a window the
@@ -80,9 +79,10 @@ class WindowProgram:
             batch)) else jnp.stack
         stacked = jax.tree.map(lambda *leaves: stack(leaves), *batch)
         counts, steps = hook.counts, len(batch)
-        hook._accumulators = None  # freed: the window makes its own (`_window`)
-        (logs, state, hook._accumulators, hook._observed, counts.on_device, window,
-         contributing) = self.run(state, hook._observed, counts.on_device, stacked,
+        # Freed: the window makes its own (`_window`) and lets them go when it
+        # ends; a micro-step makes new ones when it needs them.
+        hook._accumulators = None
+        (logs, state, hook._observed, counts.on_device, window, contributing) = self.run(state, hook._observed, counts.on_device, stacked,
                                   hook._window_vector(), jnp.asarray(samples, jnp.int32))
         counts.add(micro_steps=steps, samples=steps * samples, window_micro_batches=steps,
                    window_samples=steps * samples)
@@ -94,18 +94,17 @@ class WindowProgram:
         added one after the other in a loop, then normalised and applied, as
         `accumulate`, `normalize` and `apply` do them one call at a time.
 
-        The accumulators are made here, empty, and returned: passed in, the
-        loop would start from a copy of them (the hook lets go of its own
-        first).
+        The accumulators are made here, empty, and not returned: passed in,
+        the loop would start from a copy of them (the hook lets go of its own
+        first); returned, they would be held beside the updated variables.
 
         Args:
             window: The window vector before it (empty: the micro-step's
                 number only, `STEP`).
 
         Returns:
-            The last micro-step's logs, the state, the accumulators, the
-            observers' states, the device's counts, the window's counts and
-            whether it was applied.
+            The last micro-step's logs, the state, the observers' states, the
+            device's counts, the window's counts and whether it was applied.
         """
         steps = jax.tree.leaves(stacked)[0].shape[0]
         trainable, non_trainable, optimizer_variables, metrics = state
@@ -138,5 +137,5 @@ class WindowProgram:
         trainable, optimizer_variables = self.steps._apply(
             trainable, optimizer_variables, accumulators, contributing)
         logs = jax.tree.map(lambda value: value[-1], logs)
-        return (logs, (trainable, non_trainable, optimizer_variables, metrics), accumulators,
-                observed, counted, counts, contributing)
+        return (logs, (trainable, non_trainable, optimizer_variables, metrics), observed,
+                counted, counts, contributing)
