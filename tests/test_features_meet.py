@@ -56,8 +56,6 @@ def test_reinstall_resets_every_observer():
 
 
 @pytest.mark.keras3  # AccumBatchNormalization is Keras 3's
-@pytest.mark.backend("tensorflow", reason="AccumBatchNormalization is refused by name on JAX "
-                     "(test_jax.py::test_tfaccums_batch_normalization_is_refused_by_name_on_jax)")
 def test_a_left_out_micro_batch_does_not_move_pooled_statistics():
     x, y = make_data(n=32)
     x = x * np.arange(1, 6, dtype="float32")

@@ -756,6 +756,9 @@ def test_mixed_float16_is_refused_by_name_on_jax(mixed_precision):
             tfaccum.GradientAccumulationCallback(accumulation_steps=2)])
     assert tfaccum.AccumulationHook.installed_on(model) is None
     assert max_diff(before, model) == 0
+    # Installed by hand before `fit` builds the optimizer's variables: the same.
+    with pytest.raises(ValueError, match=r"cannot meet mixed_float16's LossScaleOptimizer"):
+        tfaccum.install_accumulation_hook(build(optimizer="adamw"), accumulation_steps=2)
 
 
 def _retrieval():

@@ -163,8 +163,9 @@ def test_the_dashboard_reads_the_same_series_and_events(tmp_path):
     assert callbacks["dropping"].dropped_micro_steps == 3
 
 
-def test_tfaccums_batch_normalization_is_refused_by_name_on_jax():
-    # The layer lives with the TensorFlow backend; on JAX it is refused, not half-served.
+def test_tensorflows_batch_normalization_is_refused_by_name_on_jax():
+    # TensorFlow's layer (made where TensorFlow's tfaccum is imported) is refused,
+    # not trained as plain BatchNormalization; JAX's own serves (test_layers.py).
     from tfaccum.backend.tensorflow.batch_norm.layers import AccumBatchNormalization
 
     def build():

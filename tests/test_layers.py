@@ -8,7 +8,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from reference import iterations
 from reference import make_data
@@ -18,9 +17,15 @@ import tfaccum
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
-pytestmark = pytest.mark.backend(
-    "tensorflow",
-    reason="AccumBatchNormalization is refused by name on JAX (test_jax.py::test_tfaccums_batch_normalization_is_refused_by_name_on_jax)")
+# What only TensorFlow has here: `convert_batch_norm` (TensorFlow code for now;
+# its layers are refused on JAX) and tf.distribute's replicas.
+CONVERT = pytest.mark.backend(
+    "tensorflow", reason="convert_batch_norm is TensorFlow code (its layers are refused by name "
+    "on JAX: test_jax.py::test_converted_batch_normalization_in_a_nested_model_is_refused_by_"
+    "name_on_jax)")
+REPLICAS = pytest.mark.backend(
+    "tensorflow", reason="MirroredStrategy replicas (BatchNormalization under JAX's "
+    "DataParallel is refused by name: test_jax.py)")
 
 TOL = 1e-5
 
@@ -72,7 +77,11 @@ def test_moving_statistics_equal_the_large_batch(leftover):
     assert np.abs(moving_statistics(plain)[1] - moving_statistics(reference)[1]).max() > 1e-2
 
 
+@pytest.mark.backend("tensorflow", reason="TensorFlow's pooled window read directly; on JAX the "
+                     "same pooling through fit: test_moving_statistics_equal_the_large_batch")
 def test_pooled_variance_includes_the_variance_between_micro_batches():
+    import tensorflow as tf
+
     """Two micro-batches with different means: their average variance is not it."""
     layer = AccumBatchNormalization(momentum=0.0)
     layer.build((None, 1))
@@ -189,6 +198,7 @@ def test_save_and_load(tmp_path):
     assert len(loaded.layers[0].weights) == 4  # gamma, beta, moving mean and variance
 
 
+@CONVERT
 def test_convert_batch_norm():
     inputs = keras.Input((8, 8, 3))
     h = keras.layers.Conv2D(4, 3)(inputs)
@@ -237,6 +247,7 @@ def all_statistics(model):
             for w in (layer.moving_mean, layer.moving_variance)]
 
 
+@CONVERT
 def test_convert_batch_norm_walks_nested_models(capsys):
     x, y = shifted_data()
     model = nested_bn_model()
@@ -266,6 +277,7 @@ def test_convert_batch_norm_walks_nested_models(capsys):
                                                    all_statistics(reference))) > 1e-2
 
 
+@CONVERT
 def test_convert_batch_norm_in_place_works_for_subclassed_models(capsys):
     class Net(keras.Model):  # not serializable (a function argument): no copy can be made
         def __init__(self, activation=lambda t: t):
@@ -294,6 +306,7 @@ def test_convert_batch_norm_in_place_works_for_subclassed_models(capsys):
     np.testing.assert_allclose(after[0], expected, rtol=1e-5, atol=1e-6)
 
 
+@CONVERT
 def test_a_converted_model_saves_as_plain_batch_normalization(tmp_path):
     """Loadable anywhere, tfaccum or not; convert again to keep accumulating."""
     x, y = shifted_data()
@@ -321,6 +334,7 @@ def test_a_converted_model_saves_as_plain_batch_normalization(tmp_path):
     assert max_weight_diff(again, converted) == 0
 
 
+@CONVERT
 def test_convert_batch_norm_refusals():
     class OwnNorm(keras.layers.BatchNormalization):
         pass
@@ -355,9 +369,12 @@ def test_renorm_is_refused_under_accumulation():
                   callbacks=[GradientAccumulationCallback(accumulation_steps=2)])
 
 
+@REPLICAS
 def test_under_mirrored_strategy_each_replica_pools_its_own_window():
     """Runs and stays finite; the statistics follow Keras' own layer there,
     which keeps each replica's share (not the single-device statistics)."""
+    import tensorflow as tf
+
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     x, y = shifted_data()
     strategy = tf.distribute.MirroredStrategy(
@@ -372,8 +389,11 @@ def test_under_mirrored_strategy_each_replica_pools_its_own_window():
     assert np.abs(mean).max() > 0.1  # it moved from its initial zeros
 
 
+@REPLICAS
 @pytest.mark.parametrize("leftover", ["flush", "drop"])
 def test_synchronized_pools_the_window_across_replicas(leftover):
+    import tensorflow as tf
+
     # Two replicas, 4 samples each per micro-batch of 8, 4 per window: the
     # moving statistics are single-device BatchNormalization's at batch 32.
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
@@ -396,6 +416,7 @@ def test_synchronized_pools_the_window_across_replicas(leftover):
         local = strategy.experimental_local_results(value)
         np.testing.assert_array_equal(np.asarray(local[0]), np.asarray(local[-1]))
 
+@CONVERT
 @pytest.mark.parametrize("sharing", ["layer", "sub-model"])
 def test_a_shared_layer_is_refused_by_name(sharing):
     # BatchNormalization moves a shared layer's statistics once per call;

@@ -104,10 +104,9 @@ def _applying(applies):
 def _shared_batch_norm():
     keras.utils.set_random_seed(1)
     first, second = keras.Input((5,)), keras.Input((5,))
-    bn = keras.layers.BatchNormalization(momentum=0.5)
+    bn = tfaccum.AccumBatchNormalization(momentum=0.5)
     joined = keras.layers.Concatenate()([bn(first), bn(second)])
-    model = tfaccum.convert_batch_norm(keras.Model([first, second], keras.layers.Dense(1)(joined)),
-                                       verbose=0)
+    model = keras.Model([first, second], keras.layers.Dense(1)(joined))
     model.compile(optimizer="adam", loss="mse")
     return model
 
@@ -202,8 +201,12 @@ class Case:
 # Why cases are TensorFlow's: JAX refuses the whole feature, by name, with its own test.
 OWN_STEP = ("a train_step written with tf.GradientTape; JAX refuses a model's own train_step "
             "(test_jax.py::test_a_train_step_of_its_own_is_refused_by_name)")
-WINDOW_LOSS = ("JAX refuses a window-wide loss when it is made "
-               "(test_jax.py::test_a_window_wide_loss_is_refused_by_name_when_made)")
+UNREPLAYABLE = ("TensorFlow's stateful random ops; on JAX, NumPy's draws differ between any "
+                "two traces, two plain fits too (the refusal leaves the model as it was: "
+                "test_gradient_cache.py::test_noise_a_jax_replay_cannot_draw_again_is_refused_"
+                "at_the_first_window)")
+SECOND_LAYOUT = ("TensorFlow keeps the window in buffers of the first layout; JAX keeps each "
+                 "micro-batch's arrays apart, whatever their layout")
 
 
 CASES = {
@@ -238,23 +241,22 @@ CASES = {
                         "test_data_parallel_leaves_a_non_finite_micro_batch_out_whole)"),
     "shared_batch_norm": Case(_shared_batch_norm, r"is called 2 times in one train step",
                               data=lambda: ([make_data(n=16)[0]] * 2, make_data(n=16)[1]),
-                              tensorflow_only="AccumBatchNormalization (refused on JAX: test_jax.py"
-                                              "::test_tfaccums_batch_normalization_is_refused_by"
-                                              "_name_on_jax)"),
+                              keras3=True),
     "count_items_twice": Case(_counted_twice, r"`count_items\(\)` was called 2 times",
                               data=_tokens, keras3=True),
     "window_loss_with_batch_norm": Case(_window_loss_batch_norm, r"cannot meet batch normalization",
-                                        data=_pairs, tensorflow_only=WINDOW_LOSS),
+                                        data=_pairs),
     "window_loss_masked_output": Case(_window_loss_masked, r"has an output with a Keras mask",
-                                      data=_pairs, tensorflow_only=WINDOW_LOSS),
+                                      data=_pairs),
     "window_loss_with_own_losses": Case(
         lambda: _window_loss(regularizer=keras.regularizers.L2(0.1)),
-        r"adds losses of its own", data=_pairs, tensorflow_only=WINDOW_LOSS),
+        r"adds losses of its own", data=_pairs),
     "window_loss_unreplayable_noise": Case(_window_loss_noise, r"cannot draw again",
-                                           data=_pairs, keras3=True, tensorflow_only=WINDOW_LOSS),
+                                           data=_pairs, keras3=True,
+                                           tensorflow_only=UNREPLAYABLE),
     "window_loss_second_layout": Case(
         _window_loss, r"laid out differently", data=_pairs, before=True,
-        fit=dict(sample_weight=np.ones(16, "float32")), tensorflow_only=WINDOW_LOSS),
+        fit=dict(sample_weight=np.ones(16, "float32")), tensorflow_only=SECOND_LAYOUT),
 }
 
 

@@ -14,7 +14,6 @@ _PUBLIC = {
     "remove_accumulation_hook": "tfaccum.install",
     "count_items": "tfaccum.items",
     "Reduction": "tfaccum.reduction",
-    "AccumBatchNormalization": "tfaccum.backend.tensorflow.batch_norm.layers",
     "InBatchSoftmax": "tfaccum.window_losses",
     "NTXent": "tfaccum.window_losses",
     "WindowLoss": "tfaccum.window_losses",
@@ -23,14 +22,20 @@ _PUBLIC = {
     "enable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
 }
 
-__all__ = sorted(["AccumulationHook", *_PUBLIC])
+# Each backend's own, in its package: the hook, and the layer whose window it pools.
+_PER_BACKEND = {
+    "AccumulationHook": "hook",
+    "AccumBatchNormalization": "batch_norm",
+}
+
+__all__ = sorted([*_PER_BACKEND, *_PUBLIC])
 
 
 def __getattr__(name):
-    if name == "AccumulationHook":  # the hook of the backend Keras runs on
+    if name in _PER_BACKEND:  # the backend Keras runs on has its own
         import keras
 
-        module = f"tfaccum.backend.{keras.backend.backend()}.hook"
+        module = f"tfaccum.backend.{keras.backend.backend()}.{_PER_BACKEND[name]}"
     elif name in _PUBLIC:
         module = _PUBLIC[name]
     else:

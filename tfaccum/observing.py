@@ -57,10 +57,13 @@ class MicroStep(_Record):
         measured: Whether its gradient tells its own (not multiplied by 0: a
             micro-batch that counts no item weighs nothing); `True` where that
             is known while tracing.
+        moments: `{layer: [(count, mean, variance) of each call]}` of its
+            accumulation-aware normalisation layers, where the step hands
+            them to observers (JAX; TensorFlow's layers stage their own).
     """
 
     FIELDS = ("squared_norm", "mean_squared_norm", "items", "measured_items", "samples", "loss",
-              "measured")
+              "measured", "moments")
 
 
 class Update(_Record):

@@ -6,20 +6,20 @@
 `devices.py` (one device, or `keras.distribution.DataParallel`'s devices,
 in one process or several, each with its own partial sums),
 `precision.py` (bfloat16 accumulators), `gradient_cache.py` (window-wide
-losses), `installation.py` (the train
+losses), `batch_norm.py` (accumulation-aware batch normalization), `installation.py` (the train
 function swapped in), `summary.py` (the dashboard's series) and
 `_keras_on_jax.py` (what the JAX trainer is read for). `BACKEND` is what
 the callback asks.
 """
 
 from tfaccum.backend import Backend
+from tfaccum.backend.jax import batch_norm
 from tfaccum.backend.jax.hook import AccumulationHook
 from tfaccum.backend.jax.summary import AccumulationSummaries
 
 
 class JaxBackend(Backend):
-    """Keras 3 on JAX. `AccumBatchNormalization` is refused by name when the hook
-    is made (`hook.check_served`)."""
+    """Keras 3 on JAX."""
 
     name = "jax"
     hook_class = AccumulationHook
@@ -32,10 +32,11 @@ class JaxBackend(Backend):
         return True
 
     def layer_observer_kinds(self, model):
-        return []  # `AccumBatchNormalization` is refused when the hook is made
+        return [batch_norm.BatchNormWindows] if batch_norm.accumulating_layers(model) else []
 
     def layer_observers(self, model):
-        return []
+        layers = batch_norm.accumulating_layers(model)
+        return [batch_norm.BatchNormWindows(layers)] if layers else []
 
 
 BACKEND = JaxBackend()

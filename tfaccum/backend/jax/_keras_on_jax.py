@@ -15,25 +15,44 @@ from tfaccum._keras.models import flatten_layers
 from tfaccum.patching import InstancePatch
 
 
-def gradient_and_outputs(model, state, data):
+def gradient_and_outputs(model, state, data, staging=None):
     """The micro-batch's loss gradient, its loss and the state its forward pass left.
 
     `compute_loss_and_updates` is the trainer's stateless loss (public in
     Keras 3's JAX trainer, "intended for use with jax.grad").
 
+    Args:
+        staging: A context manager giving a list that layers append
+            `(layer, *arrays)` to while the forward pass traces, or `None`:
+            the arrays leave the gradient as its auxiliary output.
+
     Returns:
-        `(grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight))`.
+        `(grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight),
+        staged)`, `staged` `{layer: [arrays of each call]}`.
     """
     import jax
 
     trainable, non_trainable, optimizer_variables, metrics = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    gradient_of = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-    (_, aux), grads = gradient_of(
+    layers = []
+
+    def loss(*args, **kwargs):
+        if staging is None:
+            loss, aux = model.compute_loss_and_updates(*args, **kwargs)
+            return loss, (aux, [])
+        with staging() as staged:
+            loss, aux = model.compute_loss_and_updates(*args, **kwargs)
+        layers[:] = [entry[0] for entry in staged]  # Python objects: not traced out
+        return loss, (aux, [entry[1:] for entry in staged])
+
+    (_, (aux, arrays)), grads = jax.value_and_grad(loss, has_aux=True)(
         trainable, non_trainable, metrics, x, y, sample_weight, training=True,
         optimizer_variables=optimizer_variables)
     unscaled_loss, y_pred, non_trainable, metrics = aux
-    return grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight)
+    staged = {}
+    for layer, values in zip(layers, arrays):
+        staged.setdefault(layer, []).append(values)
+    return grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight), staged
 
 
 def update_metrics(model, metrics, loss, data, y_pred):
@@ -218,9 +237,9 @@ def ignore_class(model):
 
 
 def toolkit_layers(model):
-    """tfaccum's own layers in `model`: a class of tfaccum's among each one's bases
-    (`convert_batch_norm`'s layers carry Keras' name and module)."""
-    return [layer.name for layer in flatten_layers(model)
+    """`(name, layer)` of tfaccum's own layers in `model`: a class of tfaccum's among
+    each one's bases (`convert_batch_norm`'s layers carry Keras' name and module)."""
+    return [(layer.name, layer) for layer in flatten_layers(model)
             if any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)]
 
 

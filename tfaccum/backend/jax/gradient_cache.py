@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from tfaccum import window_losses
+from tfaccum._keras.models import scales_loss_dynamically
 from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.counts import DEVICE_WINDOW_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
@@ -42,8 +43,7 @@ def check_served(model, loss, configuration):
             f"Model {model.name!r} is compiled with the window-wide loss {loss!r}, "
             f"which cannot meet {what}: {why}. {fix}")
 
-    if keras.mixed_precision.dtype_policy().name == "mixed_float16" or (
-            _keras_on_jax.loss_scale_positions(model.optimizer) is not None):
+    if scales_loss_dynamically(model.optimizer):
         refuse("mixed_float16's LossScaleOptimizer on Keras' JAX backend",
                "the window's loss would have to be scaled before its gradient to the "
                "outputs is taken, which is built on TensorFlow only",

@@ -24,6 +24,7 @@ from tfaccum.observing import WindowObserver
 from tfaccum.observing import tell
 from tfaccum.backend.jax.step import CompiledSteps
 from tfaccum.backend.jax.window_program import WindowProgram
+from tfaccum.backend.jax import batch_norm
 from tfaccum.backend.jax.gradient_cache import CachedWindow
 from tfaccum.backend.jax.gradient_cache import check_served as check_window_loss_served
 from tfaccum.hook_front import HookFront
@@ -49,9 +50,6 @@ class AccumulationHook(HookFront):
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
         check_served(model, configuration, observers)
-        loss = window_loss_of(model)
-        if loss is not None:
-            check_window_loss_served(model, loss, configuration)
         configuration.reduction.check(model)
         self.model = model
         self.configuration = configuration
@@ -70,9 +68,10 @@ class AccumulationHook(HookFront):
         self._compiled = CompiledSteps(model, self.reduction, self.observers,
                                        jit=model.jit_compile and not model.run_eagerly,
                                        devices=self.devices, rounding=rounding,
-                                       skip_nonfinite=self.skip_nonfinite)
+                                       skip_nonfinite=self.skip_nonfinite,
+                                       staging=batch_norm.staging_for(self.observers))
         self.windows = WindowProgram(self)
-        self.cached = CachedWindow(self, self._compiled.jit) if loss is not None else None
+        self.cached = CachedWindow(self, self._compiled.jit) if window_loss_of(model) else None
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
 
@@ -113,9 +112,7 @@ class AccumulationHook(HookFront):
 
     def observer_state(self, observer):
         """`observer`'s device state now, or `None` before the first micro-batch."""
-        if self._observed is None:
-            return None
-        return self._observed[self.observers.index(observer)]
+        return None if self._observed is None else self._observed[self.observers.index(observer)]
 
     def set_observer_state(self, observer, entries):
         """Sets the entries of `observer`'s state given (none before the first micro-batch)."""
@@ -194,7 +191,8 @@ class AccumulationHook(HookFront):
             if counts.values["window_micro_batches"] >= self._steps:
                 trainable, non_trainable, optimizer_variables, metrics = state
                 trainable, optimizer_variables = self._apply(trainable, optimizer_variables)
-                state = (trainable, non_trainable, optimizer_variables, metrics)
+                state = (trainable, batch_norm.moved(self.observers, non_trainable),
+                         optimizer_variables, metrics)
         except Exception:
             if first:
                 _keras_on_jax.restore(self.model, given if state is given else state)
@@ -266,6 +264,9 @@ class AccumulationHook(HookFront):
                 variable.assign(value)
             for variable, value in zip(model.optimizer.variables, optimizer_variables):
                 variable.assign(value)
+            for variable, value in zip(model.non_trainable_variables, batch_norm.moved(
+                    self.observers, [v.value for v in model.non_trainable_variables])):
+                variable.assign(value)
             _keras_on_jax.republish(model)
         return window
 
@@ -301,9 +302,9 @@ def check_served(model, configuration, observers):
             refuse(f"keras.distribution.{type(distribution).__name__} (variables split over "
                    "devices: each device's accumulators are shaped as whole variables)",
                    "Use keras.distribution.DataParallel, or one device.", on_tensorflow=False)
-        batch_norm = _keras_on_jax.batch_norm_layers(model)
-        if batch_norm:
-            refuse(f"BatchNormalization under DataParallel ({batch_norm}: each device "
+        norms = _keras_on_jax.batch_norm_layers(model)
+        if norms:
+            refuse(f"BatchNormalization under DataParallel ({norms}: each device "
                    "would normalise by its own share's statistics, not the micro-batch's as "
                    "Keras does)", "Use LayerNormalization, or one device.", on_tensorflow=False)
     # The protocol is every backend's; what an observer keeps besides is its backend's.
@@ -317,10 +318,15 @@ def check_served(model, configuration, observers):
         refuse(f"a `train_step` of its own ({own}.train_step: the JAX step computes the "
                "gradients itself, so yours would not run)",
                "Leave Keras' train_step (override compute_loss instead).")
-    toolkit = _keras_on_jax.toolkit_layers(model)
+    loss = window_loss_of(model)
+    if loss is not None:
+        check_window_loss_served(model, loss, configuration)
+    toolkit = [name for name, layer in _keras_on_jax.toolkit_layers(model)
+               if not isinstance(layer, batch_norm.AccumBatchNormalization)]
     if toolkit:
-        refuse(f"tfaccum's AccumBatchNormalization ({toolkit}: what it keeps across a "
-               "window is TensorFlow code for now)", "Use BatchNormalization.")
+        refuse(f"TensorFlow's AccumBatchNormalization layers ({toolkit}: made with "
+               "TensorFlow's tfaccum, or by convert_batch_norm, which is TensorFlow code "
+               "for now)", "Use tfaccum.AccumBatchNormalization made under KERAS_BACKEND=jax.")
 
 
 def check_said(hook, state, said):

@@ -92,11 +92,15 @@ class CompiledSteps:
         rounding: How the accumulators store their sums (`precision.Rounding`).
         skip_nonfinite: Whether a micro-batch whose gradient is not finite is
             left out of its window (resolved: on under a `LossScaleOptimizer`).
+        staging: Where layers hand out what their forward pass saw (the
+            `AccumBatchNormalization` layers' moments: `batch_norm.staging`),
+            or `None`.
     """
 
     def __init__(self, model, reduction, observers=(), jit=True, devices=None, rounding=None,
-                 skip_nonfinite=False):
+                 skip_nonfinite=False, staging=None):
         self.model = model
+        self.staging = staging
         self.reduction = reduction
         self.rounding = rounding or Rounding("float32")
         self.skips = skip_nonfinite
@@ -172,7 +176,8 @@ class CompiledSteps:
                 step = MicroStep(squared_norm=squares[i], mean_squared_norm=means[i],
                                  items=added[i], measured_items=added[i],
                                  samples=sample_counts[i],
-                                 loss=losses[i].astype(jnp.float32), measured=True)
+                                 loss=losses[i].astype(jnp.float32), measured=True,
+                                 moments=share["moments"])
                 added_state = tuple(dict(s, **o.on_micro_step(s, step))
                                     for o, s in zip(self.observers, observed))
                 if self.skips:
@@ -203,8 +208,10 @@ class CompiledSteps:
             non_trainable = _keras_on_jax.offset_seeds(model, non_trainable, devices.index())
         given = list(non_trainable)
         with _keras_on_jax.loss_inputs(model) as seen, said_items.collected() as said:
-            grads, loss, y_pred, non_trainable, new_metrics, _ = _keras_on_jax.gradient_and_outputs(
-                model, (trainable, non_trainable, optimizer_variables, metrics), data)
+            grads, loss, y_pred, non_trainable, new_metrics, _, moments = (
+                _keras_on_jax.gradient_and_outputs(
+                    model, (trainable, non_trainable, optimizer_variables, metrics), data,
+                    staging=self.staging))
         said_items.check_said_once(said)
         samples = samples // devices.shares
         # What the loss averaged over: what `count_items()` said, or its
@@ -262,6 +269,8 @@ class CompiledSteps:
                  "added": added, "finite": finite.astype(jnp.int32),
                  "count": count,
                  "samples": jnp.asarray(samples, jnp.int32),
+                 # Its `AccumBatchNormalization` layers' moments (one device).
+                 "moments": moments,
                  # What the micro-batch's loss divides the shares' weighted sum by.
                  "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}
         # What the forward pass changed (a seed, a statistic); a frozen

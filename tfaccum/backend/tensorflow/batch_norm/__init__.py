@@ -7,3 +7,5 @@ hook's `BatchNormWindows` observer), `layers` (Keras 3's
 (`convert_batch_norm`). The backend asks `moments` for a model's observers;
 nothing else of the backend imports this package.
 """
+
+from tfaccum.backend.tensorflow.batch_norm.layers import AccumBatchNormalization  # noqa: F401
