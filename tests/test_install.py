@@ -103,18 +103,18 @@ EVERYTHING_JAX_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
         keras.distribution.set_distribution(None)
         assert callback.optimizer_steps == 2, callback.counters
     # Accumulation-aware batch normalization: JAX's own layer.
-    model = keras.Sequential([keras.Input((5,)), tfaccum.AccumBatchNormalization(),
-                              keras.layers.Dense(1)])
+    model = tfaccum.convert_batch_norm(keras.Sequential([
+        keras.Input((5,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]), verbose=0)
     model.compile(optimizer="adam", loss="mse")
     callback = tfaccum.GradientAccumulationCallback(accumulation_steps=4)
     model.fit(x[:32], y[:32], batch_size=8, verbose=0, callbacks=[callback])
     assert callback.optimizer_steps == 1 and np.abs(model.layers[0].moving_mean).max() > 0
     try:
-        tfaccum.convert_batch_norm
+        tfaccum.enable_keras3_multi_worker
     except ImportError as error:
         assert "TensorFlow is not installed" in str(error), error
     else:
-        raise AssertionError("convert_batch_norm without TensorFlow")
+        raise AssertionError("enable_keras3_multi_worker without TensorFlow")
     from tb_plugin import plugin  # the dashboard reads the run without TensorFlow
     assert "tensorflow" not in sys.modules, "tensorflow was imported"
     print("served without TensorFlow")

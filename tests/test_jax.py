@@ -179,23 +179,6 @@ def test_tensorflows_batch_normalization_is_refused_by_name_on_jax():
     refused_then_plain(build, x, y, "AccumBatchNormalization")
 
 
-def test_converted_batch_normalization_in_a_nested_model_is_refused_by_name_on_jax():
-    # `convert_batch_norm`'s layers are saved as BatchNormalization (their class name is
-    # Keras'): they are found by their class's module, inside nested models too.
-    def build():
-        keras.utils.set_random_seed(1)
-        backbone = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
-                                     keras.layers.BatchNormalization()])
-        inputs = keras.Input((5,))
-        model = tfaccum.convert_batch_norm(
-            keras.Model(inputs, keras.layers.Dense(1)(backbone(inputs))), verbose=0)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-        return model
-
-    x, y = make_data(n=32)
-    refused_then_plain(build, x, y, "AccumBatchNormalization")
-
-
 def test_a_train_step_of_its_own_is_refused_by_name():
     # Keras' JAX trainer passes the state through `train_step(state, data)`;
     # the accumulating step computes the gradients itself and would skip it.

@@ -1,5 +1,6 @@
 """AccumBatchNormalization and convert_batch_norm."""
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -9,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 
+from reference import BACKEND
 from reference import iterations
 from reference import make_data
 from reference import max_weight_diff
@@ -17,12 +19,8 @@ import tfaccum
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback
 
-# What only TensorFlow has here: `convert_batch_norm` (TensorFlow code for now;
-# its layers are refused on JAX) and tf.distribute's replicas.
-CONVERT = pytest.mark.backend(
-    "tensorflow", reason="convert_batch_norm is TensorFlow code (its layers are refused by name "
-    "on JAX: test_jax.py::test_converted_batch_normalization_in_a_nested_model_is_refused_by_"
-    "name_on_jax)")
+# What only TensorFlow has here: tf.distribute's replicas.
+CONVERT = pytest.mark.keras3  # (tf_keras' twin: test_keras2_layers.py)
 REPLICAS = pytest.mark.backend(
     "tensorflow", reason="MirroredStrategy replicas (BatchNormalization under JAX's "
     "DataParallel is refused by name: test_jax.py)")
@@ -436,7 +434,11 @@ def test_a_shared_layer_is_refused_by_name(sharing):
         model.fit([x, x + 1.0], y, batch_size=4, verbose=0,
                   callbacks=[GradientAccumulationCallback(accumulation_steps=4)])
     assert iterations(model) == 0
-    with pytest.warns(UserWarning, match="did not finish"):
+    # On TensorFlow the next `fit` removes the hook the failed one left; JAX's
+    # hook removed itself as its first step failed.
+    removed = (pytest.warns(UserWarning, match="did not finish") if BACKEND == "tensorflow"
+               else contextlib.nullcontext())
+    with removed:
         model.fit([x, x + 1.0], y, batch_size=4, verbose=0)  # the model trains plainly
     assert iterations(model) == 8
 

@@ -17,7 +17,7 @@ _PUBLIC = {
     "InBatchSoftmax": "tfaccum.window_losses",
     "NTXent": "tfaccum.window_losses",
     "WindowLoss": "tfaccum.window_losses",
-    "convert_batch_norm": "tfaccum.backend.tensorflow.batch_norm.convert",
+    "convert_batch_norm": "tfaccum.batch_norm_conversion",
     "disable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
     "enable_keras3_multi_worker": "tfaccum.backend.tensorflow.multi_worker",
 }

@@ -21,6 +21,7 @@ import keras
 from keras import ops
 
 from tfaccum import moment_pooling
+from tfaccum.batch_norm_conversion import saved_as
 from tfaccum._keras.models import flatten_layers
 from tfaccum.observing import WindowObserver
 
@@ -86,6 +87,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                                           axis=self.axis, offset=beta, scale=gamma,
                                           epsilon=self.epsilon)
         return ops.cast(outputs, self.compute_dtype)
+
+
+class ConvertedBatchNormalization(AccumBatchNormalization):
+    """What `convert_batch_norm` makes of a `BatchNormalization` on JAX: saved as one
+    (`tfaccum.batch_norm_conversion.saved_as`)."""
+
+
+saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)
 
 
 def accumulating_layers(model):

@@ -324,9 +324,10 @@ def check_served(model, configuration, observers):
     toolkit = [name for name, layer in _keras_on_jax.toolkit_layers(model)
                if not isinstance(layer, batch_norm.AccumBatchNormalization)]
     if toolkit:
-        refuse(f"TensorFlow's AccumBatchNormalization layers ({toolkit}: made with "
-               "TensorFlow's tfaccum, or by convert_batch_norm, which is TensorFlow code "
-               "for now)", "Use tfaccum.AccumBatchNormalization made under KERAS_BACKEND=jax.")
+        refuse(f"TensorFlow's AccumBatchNormalization layers ({toolkit}: made, or "
+               "converted by convert_batch_norm, where Keras ran on TensorFlow)",
+               "Make them where KERAS_BACKEND=jax (tfaccum.AccumBatchNormalization, or "
+               "convert_batch_norm), or save the model and load it there.")
 
 
 def check_said(hook, state, said):

@@ -25,7 +25,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.batch_norm.moments import saved_as
+from tfaccum.batch_norm_conversion import saved_as
 from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
 
 
@@ -94,3 +94,10 @@ class ConvertedBatchNormalization(AccumBatchNormalization):
 
 
 saved_as(ConvertedBatchNormalization, tf_keras.layers.BatchNormalization)
+
+
+def conversion():
+    """What `convert_batch_norm` converts a tf_keras model with: the class it
+    converts, the class it makes, and how it copies a model."""
+    return (tf_keras.layers.BatchNormalization, ConvertedBatchNormalization,
+            tf_keras.models.load_model)

@@ -5,6 +5,7 @@ from keras import ops
 
 from tfaccum.backend.tensorflow import _keras_on_tf
 from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
+from tfaccum.batch_norm_conversion import saved_as
 
 
 @keras.saving.register_keras_serializable(package="tfaccum")
@@ -73,3 +74,11 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
+
+
+class ConvertedBatchNormalization(AccumBatchNormalization):
+    """What `convert_batch_norm` makes of a `BatchNormalization`: saved as one
+    (`tfaccum.batch_norm_conversion.saved_as`)."""
+
+
+saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)

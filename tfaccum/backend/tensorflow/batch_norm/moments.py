@@ -265,15 +265,3 @@ def accumulating_layers(model):
         for layer in _keras_on_tf.flatten_layers(model)
         if isinstance(layer, WindowedMoments)
     ]
-
-
-def saved_as(cls, original):
-    """Makes Keras save `cls` as `original`: same name and module.
-
-    Keras writes a layer's class name and module into the model's config and
-    its class name into the weights file's paths.
-    """
-    cls.__name__ = original.__name__
-    cls.__qualname__ = original.__qualname__
-    cls.__module__ = original.__module__
-    return cls

@@ -1,22 +1,21 @@
 """`convert_batch_norm`: a model's `BatchNormalization` layers made accumulation-aware.
 
-Converts Keras 3 models with `tfaccum.AccumBatchNormalization` and tf_keras
-(Keras 2) models with `keras2.AccumBatchNormalization` (this package's); a
-converted layer is saved as the `BatchNormalization` it was.
+Converts Keras 3 models with the `AccumBatchNormalization` of the backend
+Keras runs on (each backend's `batch_norm` names its
+`ConvertedBatchNormalization`) and tf_keras (Keras 2) models with the
+TensorFlow backend's `keras2` twin; a converted layer is saved as the
+`BatchNormalization` it was (`saved_as`).
 """
 
 import collections
+import importlib
 import os
 import tempfile
 import warnings
 
 import keras
 
-from tfaccum.backend.tensorflow import _keras_on_tf
-from tfaccum.backend.tensorflow.batch_norm.layers import AccumBatchNormalization
-from tfaccum.backend.tensorflow.batch_norm.moments import accumulating_layers
-from tfaccum.backend.tensorflow.batch_norm.moments import saved_as
-from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
+from tfaccum import _keras
 
 
 def convert_batch_norm(model, in_place=False, verbose=1):
@@ -64,16 +63,18 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     _refuse_batch_norm_subclasses(model, kind.batch_norm)
     target = model if in_place else _copy(model, kind.load_model)
     converted = 0
-    for layer in _keras_on_tf.flatten_layers(target):
+    for layer in _keras.flatten_layers(target):
         if type(layer) is kind.batch_norm:
             layer.__class__ = kind.converted
             converted += 1
     if in_place and converted:
-        _keras_on_tf.forget_traced_functions(target)
+        # Keras traces the train, test and predict functions again at their next
+        # use (private: the `*_function` attributes, Keras 3.5-3.15, tf_keras).
+        target.train_function = target.test_function = target.predict_function = None
     if verbose:
-        _keras_on_tf.print_msg(f"Converted {converted} BatchNormalization layer"
+        _keras.print_msg(f"Converted {converted} BatchNormalization layer"
                                f"{'' if converted == 1 else 's'} to AccumBatchNormalization.")
-    if not converted and not accumulating_layers(target):
+    if not converted and not any(_accumulates(layer) for layer in _keras.flatten_layers(target)):
         warnings.warn(
             f"`convert_batch_norm` found no BatchNormalization layer in model "
             f"{model.name!r}: nothing was converted.",
@@ -88,39 +89,45 @@ _Kind = collections.namedtuple("_Kind", "batch_norm converted load_model")
 def _kind_of(model):
     """The classes a Keras 3 or a tf_keras (Keras 2) model converts with."""
     if isinstance(model, keras.Model):
-        return _Kind(keras.layers.BatchNormalization, ConvertedBatchNormalization,
+        backend = importlib.import_module(
+            f"tfaccum.backend.{keras.backend.backend()}.batch_norm")
+        return _Kind(keras.layers.BatchNormalization, backend.ConvertedBatchNormalization,
                      keras.models.load_model)
-    if _keras_on_tf.is_tf_keras_model(model):
-        import tf_keras
-
-        from tfaccum.backend.tensorflow.batch_norm import keras2
-
-        return _Kind(tf_keras.layers.BatchNormalization, keras2.ConvertedBatchNormalization,
-                     tf_keras.models.load_model)
+    if _keras.is_tf_keras_model(model):
+        keras2 = importlib.import_module("tfaccum.backend.tensorflow.batch_norm.keras2")
+        return _Kind(*keras2.conversion())
     raise ValueError(f"`model` must be a Keras model. Received: model={model!r}")
 
 
-class ConvertedBatchNormalization(AccumBatchNormalization):
-    """What `convert_batch_norm` makes of a `BatchNormalization`: saved as one.
+def saved_as(cls, original):
+    """Makes Keras save `cls` as `original`: same name and module.
 
-    An `AccumBatchNormalization` that is saved exactly as the
-    `keras.layers.BatchNormalization` it was (same class name in the config
-    and the weights file), so a converted model saves and loads anywhere,
-    without tfaccum, and so do models that rebuild their layers from their
-    arguments when loaded (keras_hub backbones). A loaded model has plain
+    What `convert_batch_norm` makes of a `BatchNormalization` (each backend's
+    `ConvertedBatchNormalization`) is an `AccumBatchNormalization` saved
+    exactly as the layer it was (same class name in the config and the
+    weights file), so a converted model saves and loads anywhere, without
+    tfaccum, and so do models that rebuild their layers from their arguments
+    when loaded (keras_hub backbones). A loaded model has plain
     `BatchNormalization` again: convert it again to keep accumulating.
     """
+    cls.__name__ = original.__name__
+    cls.__qualname__ = original.__qualname__
+    cls.__module__ = original.__module__
+    return cls
 
 
-saved_as(ConvertedBatchNormalization, keras.layers.BatchNormalization)
+def _accumulates(layer):
+    """Whether `layer` pools its window already: one of tfaccum's layers (a
+    converted one carries Keras' name and module, not its bases')."""
+    return any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)
 
 
 def _refuse_batch_norm_subclasses(model, batch_norm):
     subclasses = [
         f"{layer.name!r} ({type(layer).__name__})"
-        for layer in _keras_on_tf.flatten_layers(model)
+        for layer in _keras.flatten_layers(model)
         if isinstance(layer, batch_norm)
-        and not isinstance(layer, WindowedMoments)
+        and not _accumulates(layer)
         and type(layer) is not batch_norm
     ]
     if subclasses:
