@@ -19,9 +19,6 @@ def test_finetune_causal_lm_is_token_exact_offline(tmp_path):
     assert dashboard_runs(tmp_path) == {"4x4": updates}
 
 
-@pytest.mark.backend("tensorflow", reason="convert_batch_norm's layers (refused by name on JAX: "
-                     "test_jax.py::test_converted_batch_normalization_in_a_nested_model_is_"
-                     "refused_by_name_on_jax)")
 def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
     # One window shown (the fine-tuning that follows runs the same callback on).
     out = run("examples/transfer_learning_bn.py", "--epochs", "0", "--logdir", str(tmp_path))
