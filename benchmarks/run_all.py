@@ -57,6 +57,7 @@ TABLES = {
     "sparse-window": (["sparse_window.py"], 0),
     "dashboard": (["dashboard.py"], 0),
     "window-loss": (["window_loss.py", "--repeats", "2"], 0),
+    "window-loss-jax": (["window_loss.py", "--repeats", "3", "--backend", "jax"], 0),
     "jax": (["jax_backend.py", "--repeats", "3"], 0),
     "jax-data-parallel": (["jax_backend.py", "--repeats", "3", "--devices", "2"], 0),
 }
