@@ -8,7 +8,6 @@ from tfaccum.backend.tensorflow.batch_norm.moments import WindowedMoments
 from tfaccum.batch_norm_conversion import saved_as
 
 
-@keras.saving.register_keras_serializable(package="tfaccum")
 class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
     """`BatchNormalization` whose moving statistics see the whole accumulation window.
 
@@ -74,6 +73,15 @@ class AccumBatchNormalization(WindowedMoments, keras.layers.BatchNormalization):
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
+
+
+
+# Saved as "tfaccum>AccumBatchNormalization", the name JAX's layer is saved under
+# too: registered where Keras runs on TensorFlow only, so that a model loads with
+# the layer of the backend that loads it (this module imported on JAX, as a
+# test does, does not take the name from JAX's).
+if keras.backend.backend() == "tensorflow":
+    keras.saving.register_keras_serializable(package="tfaccum")(AccumBatchNormalization)
 
 
 class ConvertedBatchNormalization(AccumBatchNormalization):
