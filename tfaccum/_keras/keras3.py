@@ -7,6 +7,7 @@ difference; nothing outside the two asks which Keras a model belongs to.
 import keras
 
 from tfaccum._keras.models import compiled_with_optimizer
+from tfaccum._keras.models import metrics_given
 from tfaccum._keras.models import regularized_variables
 
 
@@ -39,6 +40,13 @@ class Keras3:
         if not steps and inner is not None:
             steps = getattr(inner, "gradient_accumulation_steps", None)
         return steps or None
+
+
+    @staticmethod
+    def has_compiled_metrics(model):
+        """Whether `compile` was given `metrics=` or `weighted_metrics=`
+        (`Trainer._compile_metrics`, private, 3.7-3.15)."""
+        return metrics_given(getattr(model, "_compile_metrics", None))
 
 
     @staticmethod

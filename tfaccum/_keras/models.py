@@ -167,3 +167,12 @@ def regularized_variables(model):
     """Paths of `model`'s trainable variables that carry a regularizer (public)."""
     return [getattr(v, "path", v.name) for v in model.trainable_variables
             if getattr(v, "regularizer", None) is not None]
+
+
+def computes_loss_as_keras(model):
+    """Whether `model`'s class keeps Keras' own `compute_loss` (no override), on
+    either Keras and any backend."""
+    for cls in type(model).__mro__:
+        if "compute_loss" in vars(cls):
+            return cls.__module__.split(".")[0] in ("keras", "tf_keras")
+    return True

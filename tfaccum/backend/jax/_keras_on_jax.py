@@ -189,11 +189,9 @@ def loss_inputs(model):
     `items` counts them; `None` where neither reaches the loss (it averages
     over the samples). A mask rides on the traced outputs inside the
     gradient's trace only, so it is read where `compute_loss` receives them
-    (private: `keras.src.backend.common.masking.get_keras_mask`, Keras
-    3.7-3.15). The count depends on the data only, not on the weights.
+    (`keras_mask`). The count depends on the data only, not on the weights.
     """
     import jax.numpy as jnp
-    from keras.src.backend.common.masking import get_keras_mask
 
     seen = {"items": None}
     patch = InstancePatch(model, "compute_loss", None)
@@ -203,7 +201,7 @@ def loss_inputs(model):
         y = kwargs.get("y", args[1] if len(args) > 1 else None)
         y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
         outputs = keras.tree.flatten(y_pred)
-        masks = [get_keras_mask(output) for output in outputs]
+        masks = [keras_mask(output) for output in outputs]
         if any(mask is not None for mask in masks) or ignore is not None:
             if len(outputs) > 1:
                 raise ValueError(
@@ -267,22 +265,6 @@ def metrics_logs(model, metrics):
     them (public: `get_metrics_result()`, read in a stateless scope)."""
     with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
         return model.get_metrics_result()
-
-
-def computes_loss_as_keras(model):
-    """Whether `model`'s class keeps Keras' own `compute_loss` (no override)."""
-    for cls in type(model).__mro__:
-        if "compute_loss" in vars(cls):
-            return cls.__module__.split(".")[0] == "keras"
-    return True
-
-
-def has_compiled_metrics(model):
-    """Whether `compile` was given `metrics=` or `weighted_metrics=` (private:
-    `Trainer._compile_metrics`, Keras 3.7-3.15)."""
-    from tfaccum._keras.models import metrics_given
-
-    return metrics_given(getattr(model, "_compile_metrics", None))
 
 
 def keras_mask(tensor):

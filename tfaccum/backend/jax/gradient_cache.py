@@ -27,6 +27,8 @@ import keras
 import numpy as np
 
 from tfaccum import window_losses
+from tfaccum._keras import Keras3
+from tfaccum._keras.models import computes_loss_as_keras
 from tfaccum._keras.models import scales_loss_dynamically
 from tfaccum.backend.jax import _keras_on_jax
 from tfaccum.counts import DEVICE_WINDOW_COUNTS
@@ -54,8 +56,8 @@ def check_served(model, loss, configuration):
                "Train it in one process (DataParallel over its devices).")
     window_losses.check_meets(
         model, loss, configuration, keras_step=_keras_on_jax.own_train_step(model) is None,
-        keras_compute_loss=_keras_on_jax.computes_loss_as_keras(model),
-        compiled_metrics=_keras_on_jax.has_compiled_metrics(model),
+        keras_compute_loss=computes_loss_as_keras(model),
+        compiled_metrics=Keras3.has_compiled_metrics(model),
         batch_norm=_keras_on_jax.batch_norm_layers(model))
 
 

@@ -2,12 +2,7 @@
 `Keras3OnTf`, `TfKeras`)."""
 
 
-def computes_loss_as_keras(model):
-    """Whether `model`'s class keeps Keras' own `compute_loss` (no override)."""
-    for cls in type(model).__mro__:
-        if "compute_loss" in vars(cls):
-            return cls.__module__.split(".")[0] in ("keras", "tf_keras")
-    return True
+from tfaccum._keras.models import computes_loss_as_keras  # noqa: F401 (re-exported)
 
 
 def scaled_loss(optimizer, loss):

@@ -10,7 +10,6 @@ import keras
 from tfaccum._keras.keras3 import Keras3
 from tfaccum._keras.models import flatten_layers
 from tfaccum._keras.models import is_tf_keras_model
-from tfaccum._keras.models import metrics_given
 from tfaccum._keras.models import scales_loss_dynamically
 
 
@@ -140,11 +139,6 @@ class Keras3OnTf(Keras3):
         return 1.0 / model.distribute_strategy.num_replicas_in_sync
 
 
-    @staticmethod
-    def has_compiled_metrics(model):
-        """Whether `compile` was given `metrics=` or `weighted_metrics=`
-        (`Trainer._compile_metrics`, private, 3.7-3.15)."""
-        return metrics_given(getattr(model, "_compile_metrics", None))
 
 
     # -- gradient caching -------------------------------------------------------------
