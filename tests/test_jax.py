@@ -56,18 +56,78 @@ def sequences(n=40):
     return x, rng.integers(0, 3, size=(n, 6)).astype("int32")
 
 
-def test_several_masked_outputs_are_refused_by_name_and_undone():
-    def build():
-        keras.utils.set_random_seed(4)
-        inputs = keras.Input((6,), dtype="int32")
-        hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
-        model = keras.Model(inputs, [keras.layers.Dense(3)(hidden), keras.layers.Dense(2)(hidden)])
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=[loss, loss])
-        return model
+def two_heads_data():
+    """test_items.py's two heads (per token, masked; per sequence), and their targets."""
+    from test_items import sequences as padded
 
-    x, y = sequences(32)
-    refused_then_plain(build, x, [y, y % 2], "2 outputs")
+    tokens, labels, _, _ = padded()
+    return tokens, {"per_token": labels,
+                    "per_sequence": labels.mean(axis=1, keepdims=True).astype("float32")}
+
+
+@pytest.mark.parametrize("case", ["skip_nonfinite", "steps_per_execution", "bfloat16",
+                                  "mixed_float16"])
+def test_outputs_that_count_differently_meet_the_other_options(case, monkeypatch):
+    # Each output's gradient apart (test_items.py: one device, the options
+    # off); here with the options they meet. 50 sequences in micro-batches of
+    # 4, windows of 4.
+    from reference import compare
+    from test_items import two_heads
+
+    from tfaccum.backend.jax.window_program import WindowProgram
+
+    compiled = []
+    step = WindowProgram.step
+    monkeypatch.setattr(WindowProgram, "step", lambda self, state, batch: (
+        compiled.append(len(batch)), step(self, state, batch))[1])
+    tokens, y = two_heads_data()
+    build, kwargs, left_out = (lambda: two_heads("adam")), {}, ()
+    if case == "skip_nonfinite":  # the sixth micro-batch of each epoch left out whole
+        y["per_sequence"][21] = np.nan
+        kwargs, left_out = {"skip_nonfinite": True}, [(0, 5), (1, 5)]
+    elif case == "bfloat16":
+        kwargs = {"accumulator_dtype": "bfloat16"}
+    elif case == "mixed_float16":  # a LossScaleOptimizer: each output's share scaled too
+        def build():
+            # A scale no micro-batch overflows (at 2**15 the first does where
+            # the large batch does not: left out, as it should be, it is no
+            # update for update comparison).
+            keras.config.set_dtype_policy("mixed_float16")
+            try:
+                return two_heads(keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.Adam(0.01), initial_scale=2.0**8))
+            finally:
+                keras.config.set_dtype_policy("float32")
+    elif case == "steps_per_execution":  # windows compiled whole after the first
+        # (One window an execution: the recorder sees the weights after each.)
+        kwargs = {"noise_scale": False}  # the noise scale takes micro-steps one by one
+        build = lambda: two_heads("adam", steps_per_execution=4)  # noqa: E731
+    result = compare(build, tokens, y, micro=4, steps=4, epochs=2, left_out=left_out,
+                     callback_kwargs=kwargs)
+    bound = {"bfloat16": 2e-3, "mixed_float16": 2e-3}.get(case, TOL)
+    assert result.diff < bound, result.diff
+    # Three full windows an epoch, less the first update (traced one micro-step at a time).
+    assert len(compiled) == (5 if case == "steps_per_execution" else 0)
+    assert result.moved(lambda: two_heads("adam")) > 1e-2
+
+
+def test_outputs_that_count_differently_under_data_parallel(tmp_path):
+    # Each device accumulates its share of each output; each output's count
+    # and loss over both devices divide them when the window ends.
+    from reference import read_run
+    from test_items import two_heads
+    from test_summary import values
+
+    tokens, y = two_heads_data()
+    log_dir = str(tmp_path / "run")
+    result = data_parallel(lambda: two_heads("sgd_momentum"), tokens, y, micro=4, steps=4,
+                           epochs=2, log_dir=log_dir)
+    assert result.diff < TOL
+    reference = two_heads("sgd_momentum")
+    large = [reference.train_on_batch(tokens[s:s + 16], {k: v[s:s + 16] for k, v in y.items()},
+                                      return_dict=True)["loss"]
+             for _ in range(2) for s in range(0, 50, 16)]
+    np.testing.assert_allclose(values(read_run(log_dir)[0], "window_loss"), large, rtol=1e-5)
 
 
 def linear_gradient(w, b, x, y):

@@ -176,3 +176,43 @@ def computes_loss_as_keras(model):
         if "compute_loss" in vars(cls):
             return cls.__module__.split(".")[0] in ("keras", "tf_keras")
     return True
+
+
+def compiled_losses_of(container):
+    """`[(output name, loss)]` of a built container, else `None`.
+
+    Private: `CompileLoss._flat_losses`, namedtuples `(path, loss,
+    loss_weights, name)` (Keras 3.7-3.15); `LossesContainer._losses` and
+    `_output_names`, `_built` (tf_keras 2.16-2.21; `None` for an output
+    without a loss).
+    """
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return [(entry[3], entry[1]) for entry in entries]
+    if getattr(container, "_built", False) and getattr(container, "_losses", None):
+        names = list(getattr(container, "_output_names", None) or [])
+        names += [None] * (len(container._losses) - len(names))
+        return [(name, loss) for name, loss in zip(names, container._losses) if loss is not None]
+    return None
+
+
+def wrapped_losses_patch(container, wrap):
+    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss, weight)`.
+
+    `weight` is the loss's `loss_weights` entry (`None` for none). Private:
+    `LossesContainer._loss_weights` (tf_keras 2.16-2.21, a flat list once built).
+    """
+    entries = getattr(container, "_flat_losses", None)
+    if entries:
+        return "_flat_losses", [
+            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1], entry[2])})
+            for entry in entries
+        ]
+    names = list(getattr(container, "_output_names", None) or [])
+    names += [None] * (len(container._losses) - len(names))
+    weights = list(getattr(container, "_loss_weights", None) or [])
+    weights += [None] * (len(container._losses) - len(weights))
+    return "_losses", [
+        None if loss is None else wrap(name, loss, weight)
+        for name, loss, weight in zip(names, container._losses, weights)
+    ]

@@ -7,15 +7,18 @@ variables are emptied while the loop holds the state and written back at
 epoch ends (`jax_state_sync()`), or when a callback asks for it.
 """
 
+import collections
 import contextlib
 
 import keras
 
+from tfaccum._keras.models import compiled_losses_of
 from tfaccum._keras.models import flatten_layers
+from tfaccum._keras.models import wrapped_losses_patch
 from tfaccum.patching import InstancePatch
 
 
-def gradient_and_outputs(model, state, data, staging=None):
+def gradient_and_outputs(model, state, data, staging=None, apart=None):
     """The micro-batch's loss gradient, its loss and the state its forward pass left.
 
     `compute_loss_and_updates` is the trainer's stateless loss (public in
@@ -25,12 +28,20 @@ def gradient_and_outputs(model, state, data, staging=None):
         staging: A context manager giving a list that layers append
             `(layer, *arrays)` to while the forward pass traces, or `None`:
             the arrays leave the gradient as its auxiliary output.
+        apart: `(seen, names, factors)`, or `None`: the compiled losses
+            whose gradients are taken apart (`loss_inputs`' `seen`, their
+            outputs' names, and what each one's gradient is multiplied by:
+            its loss weight times the loss scale). One forward pass, a
+            backward pass for each and one for the rest (`jax.vjp`).
 
     Returns:
         `(grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight),
-        staged)`, `staged` `{layer: [arrays of each call]}`.
+        staged, outputs)`, `staged` `{layer: [arrays of each call]}`, `outputs`
+        `[(grads, value, count)]` of each output taken apart (its gradient
+        times its factor, its loss and count), `grads` then the rest's.
     """
     import jax
+    import jax.numpy as jnp
 
     trainable, non_trainable, optimizer_variables, metrics = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -45,14 +56,40 @@ def gradient_and_outputs(model, state, data, staging=None):
         layers[:] = [entry[0] for entry in staged]  # Python objects: not traced out
         return loss, (aux, [entry[1:] for entry in staged])
 
-    (_, (aux, arrays)), grads = jax.value_and_grad(loss, has_aux=True)(
-        trainable, non_trainable, metrics, x, y, sample_weight, training=True,
-        optimizer_variables=optimizer_variables)
+    rest = (non_trainable, metrics, x, y, sample_weight)
+    kwargs = dict(training=True, optimizer_variables=optimizer_variables)
+    outputs = []
+    if apart is None:
+        (_, (aux, arrays)), grads = jax.value_and_grad(loss, has_aux=True)(
+            trainable, *rest, **kwargs)
+    else:
+        seen, names, factors = apart
+
+        def with_outputs(trainable):
+            total, extra = loss(trainable, *rest, **kwargs)
+            found = [output for output in seen["outputs"] if output.count is not None]
+            if [output.name for output in found] != list(names):
+                raise ValueError(
+                    f"The outputs whose losses count differently changed between "
+                    f"traces: {list(names)} then {[output.name for output in found]}.")
+            values = jnp.stack([jnp.asarray(output.value, total.dtype) for output in found])
+            return (total, values), (extra, [output.count for output in found])
+
+        (total, values), backward, ((aux, arrays), counts) = jax.vjp(
+            with_outputs, trainable, has_aux=True)
+        factors = jnp.stack([jnp.asarray(f, total.dtype) for f in factors])
+        # Linear in the cotangent: the rest is the whole minus each output's share.
+        grads = backward((jnp.ones_like(total), -factors))[0]
+        for i, count in enumerate(counts):
+            share = backward((jnp.zeros_like(total), factors * jax.nn.one_hot(
+                i, len(counts), dtype=total.dtype)))[0]
+            outputs.append((share, values[i], count))
     unscaled_loss, y_pred, non_trainable, metrics = aux
     staged = {}
     for layer, values in zip(layers, arrays):
         staged.setdefault(layer, []).append(values)
-    return grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight), staged
+    return (grads, unscaled_loss, y_pred, non_trainable, metrics, (x, y, sample_weight), staged,
+            outputs)
 
 
 def update_metrics(model, metrics, loss, data, y_pred):
@@ -179,43 +216,47 @@ def offset_seeds(model, non_trainable, offset):
             for variable, value in zip(model.non_trainable_variables, non_trainable)]
 
 
+# One compiled loss as a step traced it: its output's name, its `loss_weights`
+# entry (`None` for none), its value (a mean) and what it averaged over (an
+# int32 count, or `None` where it averages over the samples).
+CountedOutput = collections.namedtuple("CountedOutput", "name weight value count")
+
+
 @contextlib.contextmanager
 def loss_inputs(model):
-    """While a step traces, what the compiled loss averages over:
-    `{"items": int tensor or None}`.
+    """While a step traces, what the compiled losses average over:
+    `{"items": int tensor or None, "outputs": [CountedOutput]}`.
 
-    Where a Keras mask rides on the output or the loss has an `ignore_class`,
-    Keras divides the loss by the elements left (`losses.loss.apply_mask`):
-    `items` counts them; `None` where neither reaches the loss (it averages
-    over the samples). A mask rides on the traced outputs inside the
-    gradient's trace only, so it is read where `compute_loss` receives them
-    (`keras_mask`). The count depends on the data only, not on the weights.
+    Each compiled loss (`_flat_losses`, Keras 3.7-3.15) is wrapped while
+    `compute_loss` runs: it computes what it did and records its value and
+    count in `outputs`. Where a Keras mask rides on its output or it has an
+    `ignore_class`, Keras divides the loss by the elements left
+    (`losses.loss.apply_mask`): the count is theirs; else `None` (it
+    averages over the samples). One compiled loss gives its count as `items`;
+    several leave `items` `None` (the step weighs the rest by samples and takes
+    apart those with a count). A mask rides on the traced outputs inside the
+    gradient's trace only, so it is read where the loss receives them. The
+    counts depend on the data only, not on the weights.
     """
-    import jax.numpy as jnp
-
-    seen = {"items": None}
+    seen = {"items": None, "outputs": []}
     patch = InstancePatch(model, "compute_loss", None)
-    ignore = ignore_class(model)
 
     def compute_loss(*args, **kwargs):
-        y = kwargs.get("y", args[1] if len(args) > 1 else None)
-        y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
-        outputs = keras.tree.flatten(y_pred)
-        masks = [keras_mask(output) for output in outputs]
-        if any(mask is not None for mask in masks) or ignore is not None:
-            if len(outputs) > 1:
-                raise ValueError(
-                    "tfaccum on Keras' JAX backend counts the items of one output's "
-                    f"masked loss, not yet of {len(outputs)} outputs' (reduction='auto'). "
-                    "Use reduction=\"samples\" if their losses average per sample, or "
-                    "KERAS_BACKEND=tensorflow, where each output counts its own.")
-            valid = None if masks[0] is None else masks[0].astype(bool)
-            if ignore is not None:
-                kept = keras.tree.flatten(y)[0] != ignore
-                kept = kept.reshape(valid.shape) if valid is not None else kept
-                valid = kept if valid is None else valid & kept
-            seen["items"] = jnp.sum(valid.astype(jnp.int32))
-        return patch.original()(*args, **kwargs)
+        container = getattr(model, "_compile_loss", None)
+        if container is None or not compiled_losses_of(container):
+            return patch.original()(*args, **kwargs)
+        records = []
+        attribute, wrapped = wrapped_losses_patch(
+            container, lambda name, loss, weight: _CountedLoss(loss, name, weight, records))
+        losses = InstancePatch(container, attribute, wrapped)
+        losses.apply()
+        try:
+            result = patch.original()(*args, **kwargs)
+        finally:
+            losses.restore()
+        seen["outputs"] = records
+        seen["items"] = records[0].count if len(records) == 1 else None
+        return result
 
     patch.value = compute_loss
     patch.apply()
@@ -225,13 +266,35 @@ def loss_inputs(model):
         patch.restore()
 
 
-def ignore_class(model):
-    """The compiled loss's `ignore_class`, or `None` (public: `get_config()`)."""
-    found = [loss.get_config().get("ignore_class")
-             for loss in keras.tree.flatten(getattr(model, "loss", None))
-             if hasattr(loss, "get_config")]
-    found = [value for value in found if value is not None]
-    return found[0] if found else None
+class _CountedLoss:
+    """A compiled loss that records its value and count, and computes what it did."""
+
+    def __init__(self, loss, name, weight, records):
+        self.loss, self.name, self.weight, self.records = loss, name, weight, records
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        import jax.numpy as jnp
+
+        value = self.loss(y_true, y_pred, sample_weight)
+        mask, ignore = keras_mask(y_pred), ignore_class(self.loss)
+        count = None
+        if mask is not None or ignore is not None:
+            valid = None if mask is None else mask.astype(bool)
+            if ignore is not None:
+                kept = y_true != ignore
+                kept = kept.reshape(valid.shape) if valid is not None else kept
+                valid = kept if valid is None else valid & kept
+            count = jnp.sum(valid.astype(jnp.int32))
+        self.records.append(CountedOutput(self.name, self.weight, value, count))
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.loss, name)
+
+
+def ignore_class(loss):
+    """A compiled loss's `ignore_class`, or `None` (public: `get_config()`)."""
+    return loss.get_config().get("ignore_class") if hasattr(loss, "get_config") else None
 
 
 def toolkit_layers(model):

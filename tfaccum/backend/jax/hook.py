@@ -179,7 +179,7 @@ class AccumulationHook(HookFront):
                 return self.cached.micro_step(state, data)
             samples = _keras_on_jax.batch_size(data)
             if self._accumulators is None:
-                self._accumulators = self._compiled.new_accumulators(state[0])
+                self._accumulators = self._compiled.new_accumulators(state, data)
             logs, state, self._accumulators, self._observed, counts.on_device, said = (
                 self._compiled.accumulate(state, self._accumulators, self._observed,
                                           counts.on_device, data, self._window_vector(),

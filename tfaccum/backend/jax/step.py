@@ -32,6 +32,7 @@ from tfaccum.backend.jax.devices import BATCH
 from tfaccum.backend.jax.devices import OneDevice
 from tfaccum.backend.jax.devices import SHARED
 from tfaccum.backend.jax.devices import SPLIT
+from tfaccum.backend.jax.output_channels import OutputChannels
 from tfaccum.backend.jax.precision import Rounding
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
@@ -76,6 +77,25 @@ def squared_norm(grads):
                                                  for g in grads))
 
 
+def share_window(window, counted, shares):
+    """A device's part of the window's counts (`WINDOW_COUNTS`): its share of the
+    samples kept (Keras splits every micro-batch evenly over `shares`), the
+    items it counted and the micro-batches left out (counted on the first)."""
+    samples = window[1] // shares - counted[device_index("window_samples_left_out")]
+    return (window.at[1].set(samples).at[2].set(counted[device_index("window_items")])
+            .at[3].set(counted[device_index("window_nonfinite")]))
+
+
+def micro_batch_loss(share, shares):
+    """The micro-batch's loss, from its `shares` shares' (Keras' logs and loss tracker)."""
+    if shares == 1:
+        return share["loss"]
+    norm = jnp.sum(share["norm"])
+    weighted = jnp.sum(share["factor"] * share["loss"].astype(jnp.float32))
+    return jnp.where(norm > 0, weighted / jnp.where(norm > 0, norm, 1.0),
+                     jnp.mean(share["loss"]))
+
+
 class CompiledSteps:
     """The three compiled functions of one hook.
 
@@ -108,6 +128,8 @@ class CompiledSteps:
         self.says_counts = False
         self.observers = tuple(observers)
         self.devices = devices or OneDevice()
+        self.channels = None  # the outputs accumulated apart (`new_accumulators`)
+        self._looked_for_channels = not reduction.counts_items
         # Norms of the gradients of mean losses: a summed loss's are divided.
         self._sums = isinstance(reduction, reductions.Sum)
         # One device's share run outside `jit` runs op by op over the mesh
@@ -127,10 +149,16 @@ class CompiledSteps:
         self.apply = compile_(each_share(
             self._apply, (SHARED, SHARED, SPLIT, SHARED), (SHARED, SHARED)), (0, 1))
 
-    def new_accumulators(self, trainable):
-        """The window's accumulators for `trainable`, one set per device, in the
-        rounding's dtype."""
-        return [self.devices.zeros(v.shape, self.rounding.dtype) for v in trainable]
+    def new_accumulators(self, state, data=None):
+        """The window's accumulators for `state`'s trainable variables, one set per
+        device, in the rounding's dtype, then those of the outputs accumulated
+        apart, looked for once, in the first micro-batch (`data`)."""
+        if not self._looked_for_channels and data is not None:
+            self._looked_for_channels = True
+            self.channels = OutputChannels.find(self.model, state, data)
+        made = [self.devices.zeros(v.shape, self.rounding.dtype) for v in state[0]]
+        return made + (self.channels.new(state[0], self.devices, self.rounding.dtype)
+                       if self.channels is not None else [])
 
     @property
     def loss_scale(self):
@@ -185,7 +213,7 @@ class CompiledSteps:
                                      for o, s in zip(self.observers, observed))
                     added_state = select(finite, added_state, left_out)
                 observed = added_state
-        loss = self._loss(share)
+        loss = micro_batch_loss(share, self.devices.shares)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight),
                                                      y_pred)
@@ -207,11 +235,14 @@ class CompiledSteps:
         if devices.shares > 1:
             non_trainable = _keras_on_jax.offset_seeds(model, non_trainable, devices.index())
         given = list(non_trainable)
+        channels = self.channels
         with _keras_on_jax.loss_inputs(model) as seen, said_items.collected() as said:
-            grads, loss, y_pred, non_trainable, new_metrics, _, moments = (
+            apart = None if channels is None else channels.apart(
+                seen, model.optimizer, optimizer_variables)
+            grads, loss, y_pred, non_trainable, new_metrics, _, moments, outputs = (
                 _keras_on_jax.gradient_and_outputs(
                     model, (trainable, non_trainable, optimizer_variables, metrics), data,
-                    staging=self.staging))
+                    staging=self.staging, apart=apart))
         said_items.check_said_once(said)
         samples = samples // devices.shares
         # What the loss averaged over: what `count_items()` said, or its
@@ -224,10 +255,11 @@ class CompiledSteps:
             count = check_count(said[0])
             self.says_counts = True
         added = samples if averaged_over is None else jnp.asarray(averaged_over).astype(jnp.int32)
-        open_window = self._share_window(open_window, counted)
+        open_window = share_window(open_window, counted, devices.shares)
         square = mean_square = jnp.zeros((), jnp.float32)
         if self.observers:
-            square = mean_square = squared_norm(grads)
+            square = mean_square = squared_norm(
+                channels.full_gradient(grads, outputs) if outputs else grads)
             if self._sums:
                 mean_square = square / jnp.square(jnp.maximum(samples, 1).astype(jnp.float32))
         weight = self.reduction.weight(samples, added, window_counts(open_window))
@@ -240,7 +272,8 @@ class CompiledSteps:
         if self.skips:
             # Left out whole where any device's share is not finite: every
             # device keeps or leaves the same micro-batches.
-            here = jnp.logical_not(all_finite(grads)).astype(jnp.int32)
+            here = jnp.logical_not(all_finite(
+                grads + [g for shares, _, _ in outputs for g in shares])).astype(jnp.int32)
             finite = devices.total(here) == 0
             added = jnp.where(finite, added, 0)
         # A window's first micro-batch overwrites what the last window left;
@@ -251,11 +284,15 @@ class CompiledSteps:
             restart = restart | ((open_window[2] <= 0) & (added > 0))
         held = [jnp.where(restart, 0.0, a.astype(jnp.float32)) for a in accumulators]
         summed = [h + g.astype(jnp.float32) for h, g in zip(held, grads)]
+        if outputs:
+            summed += channels.add(held[len(grads):], outputs, samples, loss)
         if self.skips:
             # What the window holds was scaled by the loss scale, which a
-            # micro-batch left out halves.
+            # micro-batch left out halves (the outputs' counts are not).
             lowered = 0.5 if self.loss_scale is not None else 1.0
-            summed = [jnp.where(finite, s, h * lowered) for s, h in zip(summed, held)]
+            scaled = len(summed) - bool(outputs)
+            summed = [jnp.where(finite, s, h * lowered if i < scaled else h)
+                      for i, (s, h) in enumerate(zip(summed, held))]
             left = jnp.logical_not(finite)
             once = (left & (devices.index() == 0)).astype(jnp.int32)
             samples_left = jnp.where(left, samples, 0).astype(jnp.int32)
@@ -263,7 +300,9 @@ class CompiledSteps:
                                 ("window_samples_left_out", samples_left),
                                 ("samples_left_out", samples_left)):
                 counted = counted.at[device_index(name)].add(value)
-        accumulators = self.rounding.store(summed, open_window[STEP], devices.index())
+        kept = len(summed) - bool(outputs)  # the outputs' counts stay float32
+        accumulators = self.rounding.store(summed[:kept], open_window[STEP],
+                                           devices.index()) + summed[kept:]
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "mean_square": mean_square,
                  "added": added, "finite": finite.astype(jnp.int32),
@@ -286,24 +325,6 @@ class CompiledSteps:
             counted = counted.at[device_index(name)].add(added)
         return accumulators, counted, share, y_pred, changed, new_metrics
 
-    def _share_window(self, window, counted):
-        """This device's part of the window's counts (`WINDOW_COUNTS`): its share
-        of the samples kept (Keras splits every micro-batch evenly), the items
-        it counted and the micro-batches left out (counted on the first)."""
-        samples = (window[1] // self.devices.shares
-                   - counted[device_index("window_samples_left_out")])
-        return (window.at[1].set(samples).at[2].set(counted[device_index("window_items")])
-                .at[3].set(counted[device_index("window_nonfinite")]))
-
-    def _loss(self, share):
-        """The micro-batch's loss, from its shares' (Keras' logs and loss tracker)."""
-        if self.devices.shares == 1:
-            return share["loss"]
-        norm = jnp.sum(share["norm"])
-        weighted = jnp.sum(share["factor"] * share["loss"].astype(jnp.float32))
-        return jnp.where(norm > 0, weighted / jnp.where(norm > 0, norm, 1.0),
-                         jnp.mean(share["loss"]))
-
     def _normalize(self, accumulators, observed, counted, window):
         """The window's sum divided as the reduction says, in place; the observers
         see the update it will make.
@@ -314,7 +335,7 @@ class CompiledSteps:
         not, `apply` makes no update).
         """
         total = self.devices.total
-        local = self._share_window(window, counted)
+        local = share_window(window, counted, self.devices.shares)
         window = window.at[1].set(total(local[1])).at[2].set(total(local[2])).at[3].set(
             total(local[3]))
         counts = window_counts(window)
@@ -325,11 +346,17 @@ class CompiledSteps:
             kept = self.reduction.keeps(window_counts(local), counts)
             if kept is not True:
                 accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
+        main = len(self.model.trainable_variables)
+        accumulators, apart = accumulators[:main], accumulators[main:]
         # The devices' sums: once a window.
         accumulators = [total(a.astype(jnp.float32)) for a in accumulators]
         denominator = self.reduction.denominator(counts)
         if denominator is not None:
             accumulators = [a / jnp.asarray(denominator, a.dtype) for a in accumulators]
+        window_loss = None  # the host's (`after_apply`), but where outputs are apart
+        if apart:
+            accumulators = self.channels.combine(accumulators, apart, total)
+            window_loss = self.channels.window_loss(apart, total, counts["window_samples"])
         # Every device rounds alike: each applies the same update.
         accumulators = self.rounding.store(accumulators, window[STEP])
         if self.observers:
@@ -343,7 +370,7 @@ class CompiledSteps:
             update = Update(squared_norm=square, mean_squared_norm=mean_square,
                             variables=self.model.trainable_variables, variable_squares=squares,
                             gradient_scale=None, window=counts, counts=None, iterations=None,
-                            loss=None)
+                            loss=window_loss)
             observed = tuple(dict(s, **o.on_apply(s, update))
                              for o, s in zip(self.observers, observed))
             if self.skips:
@@ -354,7 +381,7 @@ class CompiledSteps:
         if self.skips:
             empty = (jnp.logical_not(contributing) & (self.devices.index() == 0))
             counted = counted.at[device_index("windows_left_out")].add(empty.astype(jnp.int32))
-        return accumulators, observed, counted, window[:STEP], contributing
+        return accumulators + apart, observed, counted, window[:STEP], contributing
 
     def _apply(self, trainable, optimizer_variables, accumulators, contributing):
         """The normalised window applied once (not at all where every micro-batch

@@ -108,7 +108,7 @@ class WindowProgram:
         """
         steps = jax.tree.leaves(stacked)[0].shape[0]
         trainable, non_trainable, optimizer_variables, metrics = state
-        accumulators = [jnp.zeros(v.shape, self.steps.rounding.dtype) for v in trainable]
+        accumulators = self.steps.new_accumulators(state)
         # The loop carries what a micro-step changes; the weights (and the
         # optimizer's state, but for a loss scale a micro-batch left out
         # lowers) are read as they are, not copied into the loop's state.

@@ -4,30 +4,14 @@ import sys
 
 import tensorflow as tf
 
+from tfaccum._keras.models import compiled_losses_of
+from tfaccum._keras.models import wrapped_losses_patch  # noqa: F401 (re-exported)
 from tfaccum.backend.tensorflow._keras_on_tf.keras3_on_tf import api_for
 
 
 # Reductions that divide by the number of (unmasked) elements; tf_keras'
 # "auto" is "sum_over_batch_size" in `fit`.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
-
-
-def compiled_losses_of(container):
-    """`[(output name, loss)]` of a built container, else `None`.
-
-    Private: `CompileLoss._flat_losses`, namedtuples `(path, loss,
-    loss_weights, name)` (Keras 3.7-3.15); `LossesContainer._losses` and
-    `_output_names`, `_built` (tf_keras 2.16-2.21; `None` for an output
-    without a loss).
-    """
-    entries = getattr(container, "_flat_losses", None)
-    if entries:
-        return [(entry[3], entry[1]) for entry in entries]
-    if getattr(container, "_built", False) and getattr(container, "_losses", None):
-        names = list(getattr(container, "_output_names", None) or [])
-        names += [None] * (len(container._losses) - len(names))
-        return [(name, loss) for name, loss in zip(names, container._losses) if loss is not None]
-    return None
 
 
 def may_hold_several_losses(model):
@@ -56,28 +40,6 @@ def may_hold_several_losses(model):
     except (AttributeError, ValueError):
         outputs = None
     return outputs is None or len(tf.nest.flatten(outputs)) >= 2
-
-
-def wrapped_losses_patch(container, wrap):
-    """An `(attribute, value)` that replaces each compiled loss with `wrap(name, loss, weight)`.
-
-    `weight` is the loss's `loss_weights` entry (`None` for none). Private:
-    `LossesContainer._loss_weights` (tf_keras 2.16-2.21, a flat list once built).
-    """
-    entries = getattr(container, "_flat_losses", None)
-    if entries:
-        return "_flat_losses", [
-            entry._replace(**{entry._fields[1]: wrap(entry[3], entry[1], entry[2])})
-            for entry in entries
-        ]
-    names = list(getattr(container, "_output_names", None) or [])
-    names += [None] * (len(container._losses) - len(names))
-    weights = list(getattr(container, "_loss_weights", None) or [])
-    weights += [None] * (len(container._losses) - len(weights))
-    return "_losses", [
-        None if loss is None else wrap(name, loss, weight)
-        for name, loss, weight in zip(names, container._losses, weights)
-    ]
 
 
 def as_in_total_loss(loss, value):
