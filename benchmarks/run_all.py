@@ -58,7 +58,7 @@ TABLES = {
     "dashboard": (["dashboard.py"], 0),
     "window-loss": (["window_loss.py", "--repeats", "2"], 0),
     "window-loss-jax": (["window_loss.py", "--repeats", "3", "--backend", "jax"], 0),
-    "jax": (["jax_backend.py", "--repeats", "3"], 0),
+    "jax": (["jax_backend.py", "--repeats", "5"], 0),
     "jax-data-parallel": (["jax_backend.py", "--repeats", "3", "--devices", "2"], 0),
 }
 # On a GPU: the wider models of the CPU's tables (an MLP of 1M weights is all
