@@ -242,7 +242,7 @@ def loss_inputs(model):
     patch = InstancePatch(model, "compute_loss", None)
 
     def compute_loss(*args, **kwargs):
-        container = getattr(model, "_compile_loss", None)
+        container = loss_container(model)
         if container is None or not compiled_losses_of(container):
             return patch.original()(*args, **kwargs)
         records = []
@@ -264,6 +264,12 @@ def loss_inputs(model):
         yield seen
     finally:
         patch.restore()
+
+
+def loss_container(model):
+    """The compiled losses' container (private: `Trainer._compile_loss`, a
+    `CompileLoss`, Keras 3.7-3.15; built by `fit` before its first step), or `None`."""
+    return getattr(model, "_compile_loss", None)
 
 
 class _CountedLoss:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import keras
 
 from tfaccum import output_weighting
+from tfaccum._keras.models import compiled_losses_of
 from tfaccum.backend.jax import _keras_on_jax
 
 
@@ -47,6 +48,9 @@ class OutputChannels:
         it (`jax.eval_shape`), where no `count_items()` says the step's count."""
         from tfaccum import items as said_items
 
+        built = compiled_losses_of(_keras_on_jax.loss_container(model))
+        if built is not None and len(built) < 2:  # built before `fit`'s first step
+            return None
         found = {}
 
         def trace(state, data):
