@@ -563,14 +563,16 @@ def global_windows(left_out=()):
     return updates
 
 
-@pytest.mark.parametrize("case", ["tfaccum", "nonfinite", "bfloat16"])
+@pytest.mark.parametrize("case", ["tfaccum", "nonfinite", "bfloat16", "outputs"])
 def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
     # Each process feeds its own shard; a micro-step's global batch is both
     # processes' micro-batches. With `nonfinite` one sample of the second
     # process's third micro-batch is infinite: the global micro-batch is
     # left out whole, on both. With `bfloat16` the accumulators round
     # stochastically, alike on both processes: close to the large batch, not
-    # equal. Process 0 alone writes the summaries.
+    # equal. With `outputs` each process's masked head counts its own tokens,
+    # totalled over both at the window's end. Process 0 alone writes the
+    # summaries.
     from two_jax_processes import build_model
     from two_jax_processes import data
 
@@ -579,10 +581,10 @@ def test_two_processes_train_as_one_at_the_global_window(tmp_path, case):
     assert counters[0] == counters[1]
     x, y = data(case)
     updates = global_windows(left_out=(2,) if case == "nonfinite" else ())
-    reference = build_model(keras)
+    reference = build_model(keras, case)
     train_large_batches(reference, x, y, updates)
     assert max_diff(weights[0], reference) < (1e-2 if case == "bfloat16" else TOL)
-    assert max_diff(weights[0], build_model(keras)) > 1e-2
+    assert max_diff(weights[0], build_model(keras, case)) > 1e-2
     assert counters[0]["optimizer_steps"] == counters[0]["iterations"] == len(updates) == 6
     assert counters[0]["samples"] == sum(len(u) for u in updates)
     assert counters[0]["nonfinite_skips"] == (2 if case == "nonfinite" else 0)

@@ -6,7 +6,8 @@ collectives) and waits; each feeds its own shard of the data
 (`auto_shard_dataset=False`) and saves its weights and counters in OUT.
 CASE is `plain` (Keras alone) or a set of the callback's options by name
 (`tfaccum`, `nonfinite`: a sample of the second process's shard is infinite;
-`bfloat16`: bfloat16 accumulators).
+`bfloat16`: bfloat16 accumulators; `outputs`: a per-token head and a
+per-sequence head on padded sequences, each output's loss over its own count).
 """
 
 import json
@@ -23,6 +24,12 @@ POISONED = 32 + 9  # in the second process's shard: its third micro-batch
 
 def data(case):
     rng = np.random.default_rng(0)
+    if case == "outputs":  # sequences of 1 to 6 tokens, padded with 0
+        x = rng.integers(1, 10, size=(SAMPLES, 6)).astype("int32")
+        x[np.arange(6)[None, :] >= rng.integers(1, 7, size=SAMPLES)[:, None]] = 0
+        labels = rng.integers(0, 3, size=(SAMPLES, 6)).astype("int32")
+        return x, {"per_token": labels,
+                   "per_sequence": labels.mean(axis=1, keepdims=True).astype("float32")}
     x = rng.normal(size=(SAMPLES, 5)).astype("float32")
     y = (x @ rng.normal(size=(5, 1))).astype("float32")
     if case == "nonfinite":
@@ -31,18 +38,33 @@ def data(case):
 
 
 def shard(array, process):
+    if isinstance(array, dict):
+        return {name: shard(value, process) for name, value in array.items()}
     half = len(array) // 2
     return array[process * half:(process + 1) * half]
 
 
-def build_model(keras):
+def build_model(keras, case="tfaccum"):
     """The same small model in every process (and in the test's reference)."""
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(1)])
+    loss, loss_weights = "mse", None
+    if case == "outputs":
+        tokens = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Dense(4, activation="tanh")(
+            keras.layers.Embedding(10, 4, mask_zero=True)(tokens))
+        model = keras.Model(tokens, {
+            "per_token": keras.layers.Dense(3, name="per_token")(hidden),
+            "per_sequence": keras.layers.Dense(1, name="per_sequence")(
+                keras.layers.GlobalAveragePooling1D()(hidden))})
+        loss = {"per_token": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "per_sequence": "mse"}
+        loss_weights = {"per_token": 1.0, "per_sequence": 0.5}
+    else:
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
     rng = np.random.default_rng(1)
     model.set_weights([rng.normal(0.0, 0.3, w.shape).astype("float32")
                        for w in model.get_weights()])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, loss_weights=loss_weights)
     return model
 
 
@@ -57,7 +79,7 @@ def train(out, case, process, port):
     keras.utils.set_random_seed(0)
     distribution = keras.distribution.DataParallel(auto_shard_dataset=False)
     keras.distribution.set_distribution(distribution)
-    model = build_model(keras)
+    model = build_model(keras, case)
     x, y = data(case)
     callbacks = []
     if case != "plain":
