@@ -18,6 +18,11 @@ Example:
 """
 
 
+def loss_weights(weights):
+    """Each output's `loss_weights` entry as a number (`None`: 1)."""
+    return [1.0 if weight is None else float(weight) for weight in weights]
+
+
 def divisor(total, loss_share, ops):
     """What an output's accumulated gradient is divided by: its window total.
 

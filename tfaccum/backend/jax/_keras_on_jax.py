@@ -272,19 +272,26 @@ def loss_container(model):
     return getattr(model, "_compile_loss", None)
 
 
+# Reductions that divide by the number of (unmasked) elements (as TensorFlow's
+# `loss_divisor` reads them); under another a loss counts the samples.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
+
+
 class _CountedLoss:
     """A compiled loss that records its value and count, and computes what it did."""
 
     def __init__(self, loss, name, weight, records):
         self.loss, self.name, self.weight, self.records = loss, name, weight, records
+        self.divides = getattr(loss, "reduction", None) in _MEAN_REDUCTIONS
+        self.ignore = ignore_class(loss)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         import jax.numpy as jnp
 
         value = self.loss(y_true, y_pred, sample_weight)
-        mask, ignore = keras_mask(y_pred), ignore_class(self.loss)
+        mask, ignore = keras_mask(y_pred), self.ignore
         count = None
-        if mask is not None or ignore is not None:
+        if self.divides and (mask is not None or ignore is not None):
             valid = None if mask is None else mask.astype(bool)
             if ignore is not None:
                 kept = y_true != ignore
@@ -299,8 +306,13 @@ class _CountedLoss:
 
 
 def ignore_class(loss):
-    """A compiled loss's `ignore_class`, or `None` (public: `get_config()`)."""
-    return loss.get_config().get("ignore_class") if hasattr(loss, "get_config") else None
+    """A compiled loss's `ignore_class`, or `None`: Keras' own losses' attribute, or
+    what a function's wrapper passes it (private: `LossFunctionWrapper._fn_kwargs`,
+    Keras 3.7-3.15). Not `get_config()`: a wrapped `functools.partial` or lambda
+    cannot be serialised."""
+    found = getattr(loss, "ignore_class", None)
+    return found if found is not None else (getattr(loss, "_fn_kwargs", None) or {}).get(
+        "ignore_class")
 
 
 def toolkit_layers(model):

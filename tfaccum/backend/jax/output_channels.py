@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from tfaccum import items as said_items
 from tfaccum import output_weighting
 from tfaccum._keras.models import compiled_losses_of
 from tfaccum.backend.jax import _keras_on_jax
@@ -35,7 +36,7 @@ class OutputChannels:
 
     def __init__(self, names, weights):
         self.names = list(names)
-        self.weights = [1.0 if w is None else float(w) for w in weights]
+        self.weights = output_weighting.loss_weights(weights)
 
     def __repr__(self):
         return f"OutputChannels({self.names})"
@@ -46,8 +47,6 @@ class OutputChannels:
         `None`: two or more compiled losses, those with a count of their own (a
         mask or `ignore_class`), found by tracing the loss once without running
         it (`jax.eval_shape`), where no `count_items()` says the step's count."""
-        from tfaccum import items as said_items
-
         built = compiled_losses_of(_keras_on_jax.loss_container(model))
         if built is not None and len(built) < 2:  # built before `fit`'s first step
             return None
@@ -84,10 +83,11 @@ class OutputChannels:
         return seen, self.names, [weight * scale for weight in self.weights]
 
     def add(self, held, outputs, samples, loss):
-        """The sets and vector with one micro-batch's outputs added (`held`: as
-        they were, emptied where the window restarts).
+        """The sets and vector with one micro-batch's outputs added.
 
         Args:
+            held: The sets and vector as they were (emptied where the window
+                restarts), float32.
             outputs: `gradient_and_outputs`' `outputs`.
             samples: The micro-batch's samples (this device's share).
             loss: Its unscaled loss.

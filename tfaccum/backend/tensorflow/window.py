@@ -48,7 +48,7 @@ class OutputChannels:
     def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0,
                  dtype=None):
         self.names = list(names)
-        self.weights = [1.0 if w is None else float(w) for w in weights]
+        self.weights = output_weighting.loss_weights(weights)
         self.channels = [Accumulators(strategy, sparse_rows=sparse_rows, dtype=dtype)
                         for _ in names]
         self._loss_share = loss_share
