@@ -113,7 +113,8 @@ def test_outputs_that_count_differently_meet_the_other_options(case, monkeypatch
 
 def test_outputs_that_count_differently_under_data_parallel(tmp_path):
     # Each device accumulates its share of each output; each output's count
-    # and loss over both devices divide them when the window ends.
+    # and loss over both devices divide them when the window ends. Keras'
+    # logs show each micro-batch's loss as on one device.
     from reference import read_run
     from test_items import two_heads
     from test_summary import values
@@ -123,6 +124,11 @@ def test_outputs_that_count_differently_under_data_parallel(tmp_path):
     result = data_parallel(lambda: two_heads("sgd_momentum"), tokens, y, micro=4, steps=4,
                            epochs=2, log_dir=log_dir)
     assert result.diff < TOL
+    one_device = two_heads("sgd_momentum")
+    one_device.fit(tokens, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[
+        tfaccum.GradientAccumulationCallback(accumulation_steps=4)])
+    np.testing.assert_allclose(result.model.history.history["loss"],
+                               one_device.history.history["loss"], rtol=1e-5)
     reference = two_heads("sgd_momentum")
     large = [reference.train_on_batch(tokens[s:s + 16], {k: v[s:s + 16] for k, v in y.items()},
                                       return_dict=True)["loss"]

@@ -93,17 +93,20 @@ class OutputChannels:
             loss: Its unscaled loss.
         """
         per_output = len(held[:-1]) // len(self.names)
-        arrays, vector = [], held[-1]
+        arrays = []
         for k, (grads, value, count) in enumerate(outputs):
             count = jnp.asarray(count, jnp.float32)
             sets = held[k * per_output:(k + 1) * per_output]
             arrays += [h + count * g.astype(jnp.float32) for h, g in zip(sets, grads)]
+        return arrays + [held[-1] + self.counted(outputs, samples, loss)]
+
+    def counted(self, outputs, samples, loss):
+        """A micro-batch's entries of the counts' vector (as `add`'s arguments)."""
         counts = jnp.stack([jnp.asarray(c, jnp.float32) for _, _, c in outputs])
         values = jnp.stack([jnp.asarray(v, jnp.float32) for _, v, _ in outputs])
         rest = jnp.asarray(loss, jnp.float32) - jnp.sum(jnp.asarray(self.weights) * values)
-        added = jnp.concatenate([counts, counts * values,
-                                 jnp.reshape(rest * jnp.asarray(samples, jnp.float32), (1,))])
-        return arrays + [vector + added]
+        return jnp.concatenate([counts, counts * values,
+                                jnp.reshape(rest * jnp.asarray(samples, jnp.float32), (1,))])
 
     def combine(self, grads, held, total):
         """`grads` (the main window's, normalised) plus each output's set over
@@ -118,9 +121,14 @@ class OutputChannels:
         return grads
 
     def window_loss(self, held, total, samples):
-        """The window's loss as the large batch's: the rest's, weighted by samples,
-        plus each output's weighted mean over its count."""
-        vector, k = total(held[-1]), len(self.names)
+        """The window's loss as the large batch's (`samples`: the window's)."""
+        return self.loss(total(held[-1]), samples)
+
+    def loss(self, vector, samples):
+        """The loss of what a counts' `vector` holds, as the large batch's: the
+        rest's, weighted by `samples`, plus each output's weighted mean over its
+        count."""
+        k = len(self.names)
         rest = vector[2 * k] / jnp.maximum(jnp.asarray(samples, jnp.float32), 1.0)
         return rest + output_weighting.window_loss(
             self.weights, [vector[k + i] for i in range(k)], [vector[i] for i in range(k)],

@@ -86,10 +86,14 @@ def share_window(window, counted, shares):
             .at[3].set(counted[device_index("window_nonfinite")]))
 
 
-def micro_batch_loss(share, shares):
-    """The micro-batch's loss, from its `shares` shares' (Keras' logs and loss tracker)."""
+def micro_batch_loss(share, shares, channels=None):
+    """The micro-batch's loss, from its `shares` shares' (Keras' logs and loss tracker);
+    with outputs apart (`channels`), from their counts over every share."""
     if shares == 1:
         return share["loss"]
+    if "apart" in share:
+        vector = jnp.sum(jnp.reshape(share["apart"], (shares, -1)), axis=0)
+        return channels.loss(vector, jnp.sum(share["samples"]))
     norm = jnp.sum(share["norm"])
     weighted = jnp.sum(share["factor"] * share["loss"].astype(jnp.float32))
     return jnp.where(norm > 0, weighted / jnp.where(norm > 0, norm, 1.0),
@@ -213,7 +217,7 @@ class CompiledSteps:
                                      for o, s in zip(self.observers, observed))
                     added_state = select(finite, added_state, left_out)
                 observed = added_state
-        loss = micro_batch_loss(share, self.devices.shares)
+        loss = micro_batch_loss(share, self.devices.shares, self.channels)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs, metrics = _keras_on_jax.update_metrics(model, metrics, loss, (x, y, sample_weight),
                                                      y_pred)
@@ -312,6 +316,8 @@ class CompiledSteps:
                  "moments": moments,
                  # What the micro-batch's loss divides the shares' weighted sum by.
                  "norm": factor if weight is not None else jnp.float32(1.0 / devices.shares)}
+        if outputs:  # what the micro-batch's loss is made of, across its shares
+            share["apart"] = channels.counted(outputs, samples, loss)
         # What the forward pass changed (a seed, a statistic); a frozen
         # layer's weights come back as they went in, and stay where they are.
         self._changed = [i for i, (new, old) in enumerate(zip(non_trainable, given))
