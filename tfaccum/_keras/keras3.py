@@ -43,6 +43,15 @@ class Keras3:
 
 
     @staticmethod
+    def loss_container(model):
+        """The object holding the compiled losses (`Trainer._compile_loss`, a
+        `CompileLoss`, private, 3.7-3.15), or `None`. Built (its losses resolved
+        per output) before `fit`'s first step on JAX and under a TensorFlow
+        strategy, else while the first step traces."""
+        return getattr(model, "_compile_loss", None)
+
+
+    @staticmethod
     def has_compiled_metrics(model):
         """Whether `compile` was given `metrics=` or `weighted_metrics=`
         (`Trainer._compile_metrics`, private, 3.7-3.15)."""

@@ -12,6 +12,7 @@ import contextlib
 
 import keras
 
+from tfaccum._keras import Keras3
 from tfaccum._keras.models import compiled_losses_of
 from tfaccum._keras.models import flatten_layers
 from tfaccum._keras.models import wrapped_losses_patch
@@ -242,7 +243,7 @@ def loss_inputs(model):
     patch = InstancePatch(model, "compute_loss", None)
 
     def compute_loss(*args, **kwargs):
-        container = loss_container(model)
+        container = Keras3.loss_container(model)
         if container is None or not compiled_losses_of(container):
             return patch.original()(*args, **kwargs)
         records = []
@@ -264,12 +265,6 @@ def loss_inputs(model):
         yield seen
     finally:
         patch.restore()
-
-
-def loss_container(model):
-    """The compiled losses' container (private: `Trainer._compile_loss`, a
-    `CompileLoss`, Keras 3.7-3.15; built by `fit` before its first step), or `None`."""
-    return getattr(model, "_compile_loss", None)
 
 
 # Reductions that divide by the number of (unmasked) elements (as TensorFlow's

@@ -22,6 +22,7 @@ import keras
 
 from tfaccum import items as said_items
 from tfaccum import output_weighting
+from tfaccum._keras import Keras3
 from tfaccum._keras.models import compiled_losses_of
 from tfaccum.backend.jax import _keras_on_jax
 
@@ -47,7 +48,7 @@ class OutputChannels:
         `None`: two or more compiled losses, those with a count of their own (a
         mask or `ignore_class`), found by tracing the loss once without running
         it (`jax.eval_shape`), where no `count_items()` says the step's count."""
-        built = compiled_losses_of(_keras_on_jax.loss_container(model))
+        built = compiled_losses_of(Keras3.loss_container(model))
         if built is not None and len(built) < 2:  # built before `fit`'s first step
             return None
         found = {}

@@ -290,12 +290,12 @@ class CompiledSteps:
         summed = [h + g.astype(jnp.float32) for h, g in zip(held, grads)]
         if outputs:
             summed += channels.add(held[len(grads):], outputs, samples, loss)
+        sums = len(summed) - bool(outputs)  # the outputs' counts: not scaled, not rounded
         if self.skips:
             # What the window holds was scaled by the loss scale, which a
-            # micro-batch left out halves (the outputs' counts are not).
+            # micro-batch left out halves.
             lowered = 0.5 if self.loss_scale is not None else 1.0
-            scaled = len(summed) - bool(outputs)
-            summed = [jnp.where(finite, s, h * lowered if i < scaled else h)
+            summed = [jnp.where(finite, s, h * lowered if i < sums else h)
                       for i, (s, h) in enumerate(zip(summed, held))]
             left = jnp.logical_not(finite)
             once = (left & (devices.index() == 0)).astype(jnp.int32)
@@ -304,9 +304,8 @@ class CompiledSteps:
                                 ("window_samples_left_out", samples_left),
                                 ("samples_left_out", samples_left)):
                 counted = counted.at[device_index(name)].add(value)
-        kept = len(summed) - bool(outputs)  # the outputs' counts stay float32
-        accumulators = self.rounding.store(summed[:kept], open_window[STEP],
-                                           devices.index()) + summed[kept:]
+        accumulators = self.rounding.store(summed[:sums], open_window[STEP],
+                                           devices.index()) + summed[sums:]
         factor = jnp.asarray(1.0 if factor is None else factor, jnp.float32)
         share = {"loss": loss, "factor": factor, "square": square, "mean_square": mean_square,
                  "added": added, "finite": finite.astype(jnp.int32),
@@ -346,14 +345,15 @@ class CompiledSteps:
             total(local[3]))
         counts = window_counts(window)
         contributing = (counts["window_micro_batches"] - counts["window_nonfinite"]) > 0
+        main = len(self.model.trainable_variables)
+        accumulators, apart = accumulators[:main], accumulators[main:]
         if self.devices.shares > 1:
             # A device whose shares counted nothing in a window that did adds
-            # nothing (what it added weighed its samples: `reduction.Auto`).
+            # nothing (what it added weighed its samples: `reduction.Auto`; the
+            # outputs apart add what they counted).
             kept = self.reduction.keeps(window_counts(local), counts)
             if kept is not True:
                 accumulators = [jnp.where(kept, a, 0.0) for a in accumulators]
-        main = len(self.model.trainable_variables)
-        accumulators, apart = accumulators[:main], accumulators[main:]
         # The devices' sums: once a window.
         accumulators = [total(a.astype(jnp.float32)) for a in accumulators]
         denominator = self.reduction.denominator(counts)

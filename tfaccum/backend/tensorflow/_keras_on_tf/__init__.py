@@ -30,19 +30,21 @@ from tfaccum.backend.tensorflow._keras_on_tf.model_parts import (  # noqa: F401
     stateful_variables,
     trains_with_keras_step,
 )
-from tfaccum.backend.tensorflow._keras_on_tf.cached_step import (  # noqa: F401
+from tfaccum._keras.models import (  # noqa: F401
+    compiled_losses_of,
     computes_loss_as_keras,
+    wrapped_losses_patch,
+)
+from tfaccum.backend.tensorflow._keras_on_tf.cached_step import (  # noqa: F401
     metrics_result,
     scaled_loss,
     training_forward,
 )
 from tfaccum.backend.tensorflow._keras_on_tf.losses import (  # noqa: F401
     as_in_total_loss,
-    compiled_losses_of,
     keras_mask,
     loss_divisor,
     may_hold_several_losses,
-    wrapped_losses_patch,
 )
 from tfaccum.backend.tensorflow._keras_on_tf.distribution import (  # noqa: F401
     all_reduce_sum,

@@ -2,9 +2,6 @@
 `Keras3OnTf`, `TfKeras`)."""
 
 
-from tfaccum._keras.models import computes_loss_as_keras  # noqa: F401 (re-exported)
-
-
 def scaled_loss(optimizer, loss):
     """`loss` times the optimizer's loss scale (mixed precision), else `loss`."""
     if hasattr(optimizer, "scale_loss"):  # Keras 3

@@ -116,14 +116,6 @@ class Keras3OnTf(Keras3):
     # -- what a model holds ---------------------------------------------------------
 
     @staticmethod
-    def loss_container(model):
-        """The object holding the compiled losses (`Trainer._compile_loss`, a
-        `CompileLoss`, private, 3.7-3.15), or `None`; built (its losses resolved
-        per output) before the first step under a strategy, else while it traces."""
-        return getattr(model, "_compile_loss", None)
-
-
-    @staticmethod
     def replica_loss_share(model):
         """What Keras multiplies each replica's loss by under the model's strategy.
 
@@ -137,8 +129,6 @@ class Keras3OnTf(Keras3):
         if not hasattr(keras_loss, "scale_loss_for_distribution"):
             return 1.0
         return 1.0 / model.distribute_strategy.num_replicas_in_sync
-
-
 
 
     # -- gradient caching -------------------------------------------------------------

@@ -5,7 +5,6 @@ import sys
 import tensorflow as tf
 
 from tfaccum._keras.models import compiled_losses_of
-from tfaccum._keras.models import wrapped_losses_patch  # noqa: F401 (re-exported)
 from tfaccum.backend.tensorflow._keras_on_tf.keras3_on_tf import api_for
 
 
