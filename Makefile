@@ -29,15 +29,16 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py \
 	tests/test_interrupts.py
 
-# Keras 3 on JAX runs the whole suite too: a test of what only TensorFlow
-# serves says so (`backend` marker, with the test of JAX's refusal). The test
-# extra installs every backend; a user names one (`.[tensorflow]`, `.[jax]`:
-# no TensorFlow, tests/test_install.py).
+# Keras 3 on JAX and on PyTorch runs the whole suite too: a test of what a
+# backend does not serve says so (`backend` marker, with the test of that
+# backend's refusal). The test extra installs every backend; a user names one
+# (`.[tensorflow]`, `.[jax]`, `.[torch]`: no TensorFlow, tests/test_install.py).
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest $(XDIST) -m "not keras3 and not once" $(TF_KERAS_TESTS) $(PYTEST_ARGS)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	KERAS_BACKEND=torch $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-oldest
 
 # A smoke subset on the oldest pair pyproject.toml supports, Keras 3 and 2.

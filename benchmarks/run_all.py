@@ -60,6 +60,7 @@ TABLES = {
     "window-loss-jax": (["window_loss.py", "--repeats", "3", "--backend", "jax"], 0),
     "jax": (["jax_backend.py", "--repeats", "5"], 0),
     "jax-data-parallel": (["jax_backend.py", "--repeats", "3", "--devices", "2"], 0),
+    "torch": (["torch_backend.py", "--repeats", "5"], 0),
 }
 # On a GPU: the wider models of the CPU's tables (an MLP of 1M weights is all
 # launch overhead there), timed as users run them (wall clock, TensorFlow's
@@ -78,7 +79,7 @@ MARKER = re.compile(r"<!-- benchmark: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /b
                     re.DOTALL)
 HEADER = re.compile(r"<!-- run -->\n.*?<!-- /run -->", re.DOTALL)
 # Whose versions a table's line gives (the ones installed that the benchmarks import).
-LIBRARIES = ("tensorflow", "keras", "tf_keras", "jax", "keras-hub")
+LIBRARIES = ("tensorflow", "keras", "tf_keras", "jax", "torch", "keras-hub")
 
 
 def tables_of(text):

@@ -10,6 +10,8 @@ if os.environ.get("KERAS_BACKEND") == "jax":
     # Two CPU devices, for keras.distribution's data parallelism. Must be
     # set before JAX initialises its backend. TensorFlow is not imported.
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+elif os.environ.get("KERAS_BACKEND") == "torch":
+    pass  # one CPU device; TensorFlow is not imported
 else:
     import tensorflow as tf
 
@@ -20,9 +22,10 @@ else:
         [tf.config.LogicalDeviceConfiguration()] * 2,
     )
 
-# The JAX pass runs the files written for both backends (`make test` names
-# them) and test_jax.py; the TensorFlow passes leave test_jax.py out.
-collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["test_jax.py"]
+# Each pass runs the files written for every backend, and its own backend's
+# file (test_jax.py, test_torch.py) only there.
+collect_ignore = [f"test_{name}.py" for name in ("jax", "torch")
+                  if os.environ.get("KERAS_BACKEND") != name]
 
 from reference import KERAS  # noqa: E402
 from reference import keras  # noqa: E402

@@ -43,6 +43,27 @@ else:
     KERAS = "keras3"
 BACKEND = "tensorflow" if KERAS == "tf_keras" else keras.backend.backend()
 
+# What Keras on PyTorch does not run, marked where a test asks for it (the
+# `backend` marker of conftest.py; pytest is imported by the tests only).
+NOT_ON_TORCH = {
+    "jit_compile": "torch.compile (jit_compile=True) is refused by name on torch "
+                   "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
+    "steps_per_execution": "Keras' PyTorch trainer refuses steps_per_execution > 1 itself",
+    "window_loss": "window-wide losses are refused by name on torch "
+                   "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
+    "several_counts": "several outputs whose losses count different items are refused by "
+                      "name on torch (test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
+    "batch_norm": "accumulation-aware batch normalization is refused by name on torch "
+                  "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
+}
+
+
+def not_on_torch(what):
+    """The marker of a test of what Keras on PyTorch does not run (`NOT_ON_TORCH`)."""
+    import pytest
+
+    return pytest.mark.backend("tensorflow", "jax", reason=NOT_ON_TORCH[what])
+
 
 # -- data and models ------------------------------------------------------------------
 

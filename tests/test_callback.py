@@ -16,6 +16,7 @@ from reference import make_data
 from reference import make_model
 from reference import max_diff
 from reference import max_weight_diff
+from reference import not_on_torch
 
 from tfaccum import GradientAccumulationCallback
 
@@ -86,7 +87,8 @@ def test_class_weight():
 
 @pytest.mark.parametrize(
     "compile_kwargs",
-    [dict(steps_per_execution=3), dict(run_eagerly=True), dict(jit_compile=True)],
+    [pytest.param(dict(steps_per_execution=3), marks=not_on_torch("steps_per_execution")),
+     dict(run_eagerly=True), pytest.param(dict(jit_compile=True), marks=not_on_torch("jit_compile"))],
     ids=["steps_per_execution", "run_eagerly", "jit_compile"],
 )
 def test_compile_modes(compile_kwargs):

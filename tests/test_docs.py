@@ -225,7 +225,7 @@ def test_the_readme_versions_agree_with_pyproject_and_the_oldest_pair():
         name, bound = re.match(r"([\w.-]+)(.*)", requirement).groups()
         wanted[name] = bound
     seen = set(wanted)
-    for extra in ("tensorflow", "tf-keras", "jax"):  # each package under the first extra naming it
+    for extra in ("tensorflow", "tf-keras", "jax", "torch"):  # each package under the first extra naming it
         for requirement in extras[extra]:
             name, bound = re.match(r"([\w.-]+)(.*)", requirement).groups()
             if name not in seen:
@@ -319,7 +319,7 @@ def test_the_quickstart_and_each_guides_main_block_run(page, tmp_path):
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}))
             for index in range(2)]
     else:
-        backend = "jax" if page == "docs/jax.md" else "tensorflow"
+        backend = {"docs/jax.md": "jax", "docs/torch.md": "torch"}.get(page, "tensorflow")
         processes = [run_block(code, tmp_path, KERAS_BACKEND=backend)]
     for process in processes:
         out, _ = process.communicate(timeout=600)

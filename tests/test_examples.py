@@ -88,6 +88,19 @@ def test_step_time_benchmark_table():
         assert (verdict.strip() == "within noise") == (lower <= 1.0 <= upper), (name, phase)
 
 
+@pytest.mark.backend("torch", reason="Keras on PyTorch's own benchmark (the other backends': "
+                     "test_throughput_benchmark_table, benchmarks/jax_backend.py)")
+def test_torch_benchmark_table():
+    out = run("benchmarks/torch_backend.py", "--repeats", "1", "--width", "32",
+              "--samples", "128", "--epochs", "2")
+    (table,) = printed_tables(out)
+    assert [row[0].strip() for row in table[1:]] == [
+        "plain", "keras", "tfaccum", "no-noise", "torch-loop", "large"]
+    rows = {row[0].strip(): row for row in table[1:]}
+    assert rows["tfaccum"][-1].strip() == "1.00 (1.00-1.00)"  # the loss column's own unit
+    assert "tfaccum's epoch / Keras' own" in out
+
+
 @pytest.mark.parametrize("lower, upper, expected", [
     (0.9701, 0.99996, "within noise"),  # printed 0.970-1.000: the interval shown holds 1
     (1.00004, 1.03, "within noise"),    # printed 1.000-1.030

@@ -9,6 +9,7 @@ import pytest
 
 from test_examples import dashboard_runs
 from test_examples import run
+from reference import not_on_torch
 
 
 def test_finetune_causal_lm_is_token_exact_offline(tmp_path):
@@ -19,6 +20,7 @@ def test_finetune_causal_lm_is_token_exact_offline(tmp_path):
     assert dashboard_runs(tmp_path) == {"4x4": updates}
 
 
+@not_on_torch("batch_norm")
 def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
     # One window shown (the fine-tuning that follows runs the same callback on).
     out = run("examples/transfer_learning_bn.py", "--epochs", "0", "--logdir", str(tmp_path))
@@ -29,6 +31,7 @@ def test_transfer_learning_bn_pools_the_backbone_statistics(tmp_path):
     assert dashboard_runs(tmp_path) == {"mobilenet-4x8": 1}
 
 
+@not_on_torch("window_loss")
 def test_dual_encoder_window_wide_is_the_batch_of_128(tmp_path):
     out = run("examples/dual_encoder_digits.py", "--epochs", "1", "--logdir", str(tmp_path))
     difference = float(re.search(r"largest weight difference (\S+)", out).group(1))

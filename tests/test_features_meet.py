@@ -11,6 +11,7 @@ from reference import keras
 from reference import make_data
 from reference import make_model
 from reference import max_weight_diff
+from reference import not_on_torch
 from test_noise_scale import frozen_linear_model
 from test_noise_scale import regression
 
@@ -56,6 +57,7 @@ def test_reinstall_resets_every_observer():
 
 
 @pytest.mark.keras3  # AccumBatchNormalization is Keras 3's
+@not_on_torch("batch_norm")
 def test_a_left_out_micro_batch_does_not_move_pooled_statistics():
     x, y = make_data(n=32)
     x = x * np.arange(1, 6, dtype="float32")

@@ -220,10 +220,10 @@ def expected_counts(case):
 def check(case):
     x, y = data(case)
     sample_weight = None if case.sample_weight is None else np.array(case.sample_weight, "float32")
-    if sample_weight is not None and case.head == "tokens" and BACKEND == "jax":
-        # Keras on JAX does not broadcast a weight per sample over a mask per
-        # token (its `apply_mask` fails, plain Keras included): the same
-        # weights, given per token.
+    if sample_weight is not None and case.head == "tokens" and BACKEND in ("jax", "torch"):
+        # Keras on JAX and PyTorch does not broadcast a weight per sample over
+        # a mask per token (its `apply_mask` fails, plain Keras included): the
+        # same weights, given per token.
         sample_weight = np.repeat(sample_weight[:, None], T, axis=1)
     class_weight = None if case.class_weight is None else dict(enumerate(case.class_weight))
     left_out = {(epoch, index) for epoch in range(case.epochs) for index in case.poisoned}

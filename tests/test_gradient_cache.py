@@ -12,7 +12,10 @@ from reference import KERAS
 from reference import compare
 from reference import keras
 from reference import max_diff
+from reference import not_on_torch
 from reference import mirrored
+
+pytestmark = not_on_torch("window_loss")
 
 # What only TensorFlow has here: tf.distribute, its stateful random ops, its
 # loss-scaled window.

@@ -1,5 +1,6 @@
-"""What each backend's users install: the JAX extra brings no TensorFlow, and
-everything JAX serves runs where `import tensorflow` fails."""
+"""What each backend's users install: the JAX and PyTorch extras bring no
+TensorFlow, and everything those backends serve runs where `import tensorflow`
+fails."""
 
 import importlib.metadata
 import os
@@ -51,17 +52,19 @@ def test_the_jax_extra_brings_no_tensorflow():
     assert "tensorflow" in {requirement_name(r) for r in extras["tf-keras"]}
 
 
+def test_the_torch_extra_brings_no_tensorflow():
+    torch_users = brought_by(PROJECT["dependencies"] + PROJECT["optional-dependencies"]["torch"])
+    assert "torch" in torch_users and "keras" in torch_users
+    assert not {"tensorflow", "tensorflow-cpu", "tf-keras", "jax"} & torch_users, sorted(torch_users)
+
+
 # A child process where TensorFlow cannot be imported, as where it is not installed.
+# (None in sys.modules: `import` fails, and `importlib.util.find_spec`, which
+# torch asks of packages it may trace, finds nothing.)
 WITHOUT_TENSORFLOW = textwrap.dedent("""
-    import importlib.abc
     import sys
 
-    class NotInstalled(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in ("tensorflow", "tf_keras"):
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    sys.meta_path.insert(0, NotInstalled())
+    sys.modules["tensorflow"] = sys.modules["tf_keras"] = None
 """)
 
 EVERYTHING_JAX_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
@@ -116,7 +119,7 @@ EVERYTHING_JAX_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
     else:
         raise AssertionError("enable_keras3_multi_worker without TensorFlow")
     from tb_plugin import plugin  # the dashboard reads the run without TensorFlow
-    assert "tensorflow" not in sys.modules, "tensorflow was imported"
+    assert sys.modules["tensorflow"] is None, "tensorflow was imported"
     print("served without TensorFlow")
 """)
 
@@ -126,6 +129,43 @@ def test_everything_jax_serves_runs_without_tensorflow(tmp_path):
     env = dict(os.environ, KERAS_BACKEND="jax",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = subprocess.run([sys.executable, "-c", EVERYTHING_JAX_SERVES, str(tmp_path)],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "served without TensorFlow" in result.stdout
+    assert list(tmp_path.rglob("*.tfevents.*"))
+
+
+EVERYTHING_TORCH_SERVES = WITHOUT_TENSORFLOW + textwrap.dedent("""
+    sys.modules["jax"] = None  # nor JAX (Keras imports it where it is installed)
+
+    import keras
+    import numpy as np
+
+    import tfaccum
+
+    keras.utils.set_random_seed(0)
+    x = np.random.rand(64, 5).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    y[17] = np.inf  # a micro-batch left out
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    callback = tfaccum.GradientAccumulationCallback(
+        accumulation_steps=4, log_dir=sys.argv[1], skip_nonfinite=True, noise_scale=True,
+        leftover="drop")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    assert callback.nonfinite_skips == 2 and callback.optimizer_steps == 4, callback.counters
+    from tb_plugin import plugin  # the dashboard reads the run without TensorFlow
+    assert sys.modules["tensorflow"] is None, "tensorflow was imported"
+    print("served without TensorFlow")
+""")
+
+
+@pytest.mark.backend("torch", reason="what PyTorch's users run; the TensorFlow passes import it")
+def test_everything_torch_serves_runs_without_tensorflow(tmp_path):
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    result = subprocess.run([sys.executable, "-c", EVERYTHING_TORCH_SERVES, str(tmp_path)],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "served without TensorFlow" in result.stdout

@@ -15,6 +15,11 @@ from reference import iterations
 from reference import make_data
 from reference import max_weight_diff
 
+from reference import NOT_ON_TORCH
+
+if BACKEND == "torch":
+    pytest.skip(NOT_ON_TORCH["batch_norm"], allow_module_level=True)
+
 import tfaccum
 from tfaccum import AccumBatchNormalization
 from tfaccum import GradientAccumulationCallback

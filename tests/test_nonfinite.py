@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from reference import KERAS
+from reference import compare
 from reference import iterations
 from reference import keras
 from reference import make_data
@@ -59,6 +60,20 @@ def test_left_out_micro_batch_float32():
     assert max_weight_diff(reference, model) < 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["auto", "mean"])
+def test_a_window_opened_by_a_left_out_micro_batch_starts_empty(reduction):
+    # Windows of 2 micro-batches of 8: the second window's first micro-batch is
+    # left out, so its second one is the first to add (not onto what the
+    # first window summed).
+    x, y = make_data(n=32)
+    y[20, 0] = np.inf
+    result = compare(lambda: make_model(optimizer="sgd"), x, y, micro=8, steps=2, epochs=2,
+                     left_out={(0, 2), (1, 2)},
+                     callback_kwargs=dict(skip_nonfinite=True, reduction=reduction))
+    assert result.callback.nonfinite_skips == 2 and result.callback.optimizer_steps == 4
+    assert result.diff < 1e-5
+
+
 def test_float32_default_lets_divergence_show():
     x, y = poisoned_data()
     model = make_model(optimizer="adam")
@@ -77,6 +92,18 @@ def test_a_window_of_only_non_finite_micro_batches_makes_no_update():
     assert callback.nonfinite_skips == 2 and callback.optimizer_steps == 0
     assert int(model.optimizer.iterations) == 0
     assert max_weight_diff(make_model(optimizer="sgd"), model) == 0
+
+
+def test_a_flushed_window_of_only_non_finite_micro_batches_is_no_flush():
+    # 40 samples, windows of 4 micro-batches of 8: the epoch's fifth and last
+    # micro-batch is flushed alone, and it is left out, so nothing is applied.
+    x, y = make_data(n=40)
+    y[36, 0] = np.inf
+    model = make_model(optimizer="sgd")
+    callback = GradientAccumulationCallback(accumulation_steps=4, skip_nonfinite=True)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert callback.nonfinite_skips == 1 and callback.optimizer_steps == 1
+    assert callback.flushes == 0 and int(model.optimizer.iterations) == 1
 
 
 def test_mixed_precision_matches_the_large_batch(mixed_precision):

@@ -20,7 +20,7 @@ from reference import mirrored
 from reference import train_large_batches
 from reference import windows
 
-from tfaccum import AccumBatchNormalization
+import tfaccum
 from tfaccum import GradientAccumulationCallback
 
 pytestmark = pytest.mark.backend(
@@ -133,7 +133,7 @@ def build(row, reference=False):
         if reference:
             layers.append(keras.layers.BatchNormalization(momentum=0.8))
         else:  # pooled over both replicas on two
-            layers.append(AccumBatchNormalization(momentum=0.8, synchronized=True))
+            layers.append(tfaccum.AccumBatchNormalization(momentum=0.8, synchronized=True))
     layers += [keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(1)]
     model = keras.Sequential(layers)
     # SGD: unlike Adam it does not hide a gradient that is off by a factor.

@@ -78,8 +78,9 @@ def test_sizes_a_reader_can_hold(path):
         assert length <= limit, f"{relative(path)}: class {name} has {length} lines"
 
 
-def test_importing_tfaccum_on_jax_loads_no_tensorflow():
-    pytest.importorskip("jax")
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_importing_tfaccum_on_jax_or_torch_loads_no_tensorflow(backend):
+    pytest.importorskip(backend)
     core = [relative(p)[:-3].replace("/", ".").removesuffix(".__init__")
             for p in modules() if not in_backend(p)]
     script = (
@@ -89,7 +90,7 @@ def test_importing_tfaccum_on_jax_loads_no_tensorflow():
         "import tfaccum\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'tf_keras')))\n"
     )
-    env = dict(os.environ, KERAS_BACKEND="jax")
+    env = dict(os.environ, KERAS_BACKEND=backend)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

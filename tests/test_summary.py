@@ -8,6 +8,7 @@ from reference import keras
 from reference import make_data
 from reference import read_run
 from reference import make_model
+from reference import not_on_torch
 
 from tfaccum import dashboard_schema
 from tfaccum import GradientAccumulationCallback
@@ -137,6 +138,7 @@ def test_carry_and_drop_events(tmp_path):
 
 
 @pytest.mark.once
+@not_on_torch("jit_compile")
 def test_jit_compile_writes_the_same(tmp_path):
     x, y = make_data()
     runs = {}

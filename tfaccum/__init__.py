@@ -43,6 +43,13 @@ def __getattr__(name):
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as error:
+        if error.name == module:  # a backend that has no such part yet
+            import keras
+
+            raise ImportError(
+                f"tfaccum.{name} is not served on Keras' {keras.backend.backend()!r} backend "
+                "yet: train with KERAS_BACKEND=tensorflow or jax, where it is "
+                "(docs/torch.md).") from error
         if error.name != "tensorflow":
             raise
         raise ImportError(

@@ -89,6 +89,9 @@ _Kind = collections.namedtuple("_Kind", "batch_norm converted load_model")
 def _kind_of(model):
     """The classes a Keras 3 or a tf_keras (Keras 2) model converts with."""
     if isinstance(model, keras.Model):
+        import tfaccum
+
+        tfaccum.AccumBatchNormalization  # noqa: B018 (refused by name where not served)
         backend = importlib.import_module(
             f"tfaccum.backend.{keras.backend.backend()}.batch_norm")
         return _Kind(keras.layers.BatchNormalization, backend.ConvertedBatchNormalization,

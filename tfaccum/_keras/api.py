@@ -14,7 +14,7 @@ from tfaccum._keras.models import is_model
 from tfaccum._keras.models import is_tf_keras_model
 
 
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
 
 def check_backend(model=None):
@@ -27,11 +27,11 @@ def check_backend(model=None):
     if backend in SUPPORTED_BACKENDS or (model is None and "tf_keras" in sys.modules):
         return
     raise ValueError(
-        f"tfaccum accumulates gradients on Keras 3's TensorFlow and JAX backends (and on "
+        f"tfaccum accumulates gradients on Keras 3's TensorFlow, JAX and PyTorch backends (and on "
         f"tf_keras), but Keras is running on its {backend!r} backend, which tfaccum does "
         f"not support yet. Received: keras.backend.backend()={backend!r} "
-        f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND=tensorflow "
-        "or KERAS_BACKEND=jax before Keras is first imported.")
+        f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND=tensorflow, "
+        "jax or torch before Keras is first imported.")
 
 
 def api_for_model_argument(value, argument):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from tfaccum._keras import counted_losses
 from tfaccum import window_losses
 from tfaccum._keras import Keras3
 from tfaccum._keras.models import computes_loss_as_keras
@@ -97,7 +98,7 @@ class CachedWindow:
         # Read while it traces: what only the trace shows.
         self._changed = [i for i, (a, b) in enumerate(zip(new, non_trainable)) if a is not b]
         self._losses = len(losses)
-        self._masked = any(_keras_on_jax.keras_mask(output) is not None
+        self._masked = any(counted_losses.keras_mask(output) is not None
                            for output in keras.tree.flatten(y_pred))
         return y_pred, [new[i] for i in self._changed]
 

@@ -255,7 +255,7 @@ class AccumulationHook(HookFront):
         # The update donates the variables' arrays: an interrupt waits for
         # the new ones to be assigned.
         with interrupts.deferred():
-            self.counts.add(flushes=1)
+            self.counts.add(flushes=int(window.samples > 0))  # none where all was left out
             if self.cached is not None:
                 self.cached.flush()
                 return window

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from tfaccum._keras import counted_losses
 from tfaccum import items as said_items
 from tfaccum import output_weighting
 from tfaccum._keras import Keras3
@@ -56,7 +57,7 @@ class OutputChannels:
         def trace(state, data):
             trainable, non_trainable, optimizer_variables, metrics = state
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            with _keras_on_jax.loss_inputs(model) as seen, said_items.collected() as said:
+            with counted_losses.loss_inputs(model) as seen, said_items.collected() as said:
                 model.compute_loss_and_updates(
                     trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                     optimizer_variables=optimizer_variables)

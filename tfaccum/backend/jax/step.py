@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from tfaccum._keras import counted_losses
 from tfaccum import items as said_items
 from tfaccum import reduction as reductions
 from tfaccum.backend.jax import _keras_on_jax
@@ -240,7 +241,7 @@ class CompiledSteps:
             non_trainable = _keras_on_jax.offset_seeds(model, non_trainable, devices.index())
         given = list(non_trainable)
         channels = self.channels
-        with _keras_on_jax.loss_inputs(model) as seen, said_items.collected() as said:
+        with counted_losses.loss_inputs(model) as seen, said_items.collected() as said:
             apart = None if channels is None else channels.apart(
                 seen, model.optimizer, optimizer_variables)
             grads, loss, y_pred, non_trainable, new_metrics, _, moments, outputs = (

@@ -1,0 +1,70 @@
+"""Keras 3's PyTorch trainer, as the PyTorch backend reads it (checked on Keras 3.15).
+
+The trainer runs eagerly: `fit` calls `model.train_function(data)` with a
+list of `steps_per_execution` batches, and `train_step` computes the loss,
+calls `backward()` and hands the variables' `.grad` to `optimizer.apply`.
+"""
+
+import keras
+
+from tfaccum._keras.models import flatten_layers
+
+
+def forward_and_loss(model, x, y, sample_weight):
+    """`(y_pred, loss)` of a training forward pass, as Keras' `train_step` computes
+    them (private: `Layer._call_has_training_arg`, `Trainer._compute_loss`)."""
+    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    model.zero_grad()  # no gradient left from the last micro-batch
+    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=True)
+    return y_pred, loss
+
+
+def track_loss(model, loss, samples):
+    """Keras' logged loss: a mean over micro-batches weighted by their samples
+    (private: `Trainer._loss_tracker`), as its `train_step` keeps it."""
+    model._loss_tracker.update_state(loss, sample_weight=samples)
+
+
+def gradients(model):
+    """The trainable variables' gradients after `backward()` (`None` where the loss
+    did not reach one), as Keras' `train_step` reads them."""
+    return [v.value.grad for v in model.trainable_weights]
+
+
+def release_gradients(model):
+    """Lets the variables' `.grad` go (Keras' next `train_step` zeroes them anyway)."""
+    for v in model.trainable_weights:
+        v.value.grad = None
+
+
+def own_train_step(model):
+    """The class that overrides Keras' PyTorch `train_step`, or `None` (private:
+    `keras.src.backend.torch.trainer.TorchTrainer`, Keras 3.7-3.15)."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    for cls in type(model).__mro__:
+        if cls is TorchTrainer:
+            return None
+        if "train_step" in vars(cls):
+            return cls.__name__
+    return None
+
+
+def loss_scale_variables(optimizer):
+    """`(dynamic_scale, step_counter)` of a `LossScaleOptimizer`, or `None` (public
+    attributes of Keras 3's `LossScaleOptimizer`)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.dynamic_scale, optimizer.step_counter
+    return None
+
+
+def toolkit_layers(model):
+    """Names of tfaccum's own layers in `model` (a class of tfaccum's among its bases)."""
+    return [layer.name for layer in flatten_layers(model)
+            if any(cls.__module__.startswith("tfaccum.") for cls in type(layer).__mro__)]
+
+
+def batch_size(x):
+    """The samples of a micro-batch: the first dimension of its first input."""
+    return int(keras.tree.flatten(x)[0].shape[0])
