@@ -51,8 +51,6 @@ NOT_ON_TORCH = {
     "steps_per_execution": "Keras' PyTorch trainer refuses steps_per_execution > 1 itself",
     "window_loss": "window-wide losses are refused by name on torch "
                    "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
-    "several_counts": "several outputs whose losses count different items are refused by "
-                      "name on torch (test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
     "batch_norm": "accumulation-aware batch normalization is refused by name on torch "
                   "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
 }

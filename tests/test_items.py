@@ -306,7 +306,6 @@ def two_heads(optimizer="sgd", seed=0, **compile_kwargs):
 
 @pytest.mark.parametrize("optimizer", [pytest.param("sgd_momentum", marks=pytest.mark.once),
                                        "adamw_clipnorm"])
-@not_on_torch("several_counts")
 def test_several_differently_masked_outputs_step_for_step(optimizer):
     tokens, labels, _, _ = sequences()
     y = {"per_token": labels, "per_sequence": labels.mean(axis=1, keepdims=True)}
@@ -372,7 +371,7 @@ def test_several_differently_masked_outputs_on_mirrored_replicas(tmp_path):
 
 @pytest.mark.parametrize("heads", [
     pytest.param(1, id="one-output", marks=pytest.mark.once),
-    pytest.param(2, id="two-outputs", marks=not_on_torch("several_counts"))])
+    pytest.param(2, id="two-outputs")])
 def test_the_window_loss_is_the_large_batch_loss(tmp_path, heads):
     """Recorded per update: the loss the large batch reports, point for point."""
     from reference import read_run

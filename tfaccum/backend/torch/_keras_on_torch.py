@@ -59,6 +59,24 @@ def loss_scale_variables(optimizer):
     return None
 
 
+def halve_loss_scale(optimizer):
+    """Halves a dynamic loss scale as Keras does after a non-finite step; `False`
+    where `optimizer` scales no loss."""
+    scale = loss_scale_variables(optimizer)
+    if scale is None:
+        return False
+    dynamic_scale, step_counter = scale
+    dynamic_scale.assign(dynamic_scale * 0.5)
+    step_counter.assign(0)
+    return True
+
+
+def loss_scale(optimizer):
+    """The loss scale the gradients carry now (1 without a `LossScaleOptimizer`)."""
+    scale = loss_scale_variables(optimizer)
+    return 1.0 if scale is None else float(keras.ops.convert_to_numpy(scale[0].value))
+
+
 def toolkit_layers(model):
     """Names of tfaccum's own layers in `model` (a class of tfaccum's among its bases)."""
     return [layer.name for layer in flatten_layers(model)

@@ -17,6 +17,7 @@ from tfaccum import interrupts
 from tfaccum import items as said_items
 from tfaccum._keras import counted_losses
 from tfaccum.backend.torch import _keras_on_torch
+from tfaccum.backend.torch import output_channels
 from tfaccum.backend.torch.installation import ModelInstallation
 from tfaccum.backend.torch.step import Accumulators
 from tfaccum.backend.torch.step import all_finite
@@ -72,6 +73,7 @@ class AccumulationHook(HookFront):
             keras_models.scales_loss_dynamically(model.optimizer))
         self._steps = checks.check_steps(accumulation_steps)
         self._accumulators = None  # made at the first micro-batch
+        self._channels = None  # likewise, where outputs count apart
         self._observed = None  # the observers' states, likewise
         self.installation = ModelInstallation(model, self._train_function, self)
         self._install()
@@ -83,13 +85,13 @@ class AccumulationHook(HookFront):
 
     def _zero(self):
         self.counts.zero()
-        self._accumulators = self._observed = None
+        self._accumulators = self._observed = self._channels = None
 
     def uninstall(self):
         try:
             super().uninstall()
         finally:
-            self._accumulators = None  # the window's memory, freed
+            self._accumulators = self._channels = None  # the window's memory, freed
 
     @property
     def accumulation_steps(self):
@@ -145,7 +147,7 @@ class AccumulationHook(HookFront):
             return self._add(data)
         except Exception:
             if first:
-                self._accumulators = self._observed = None
+                self._accumulators = self._observed = self._channels = None
                 self.uninstall()  # `fit` stops here
             raise
 
@@ -155,22 +157,29 @@ class AccumulationHook(HookFront):
         with counted_losses.loss_inputs(model) as seen, said_items.collected() as said:
             y_pred, loss = _keras_on_torch.forward_and_loss(model, x, y, sample_weight)
         said_items.check_said_once(said)
-        check_outputs(seen["outputs"])
         samples = _keras_on_torch.batch_size(x)
         _keras_on_torch.track_loss(model, loss, samples)
         averaged_over = ((said[0] if said else seen["items"]) if self.reduction.counts_items
                          else None)
         added = samples if averaged_over is None else read_count(averaged_over)
-        model.optimizer.scale_loss(loss).backward()
+        scale = _keras_on_torch.loss_scale(self.model.optimizer)
+        counted = (output_channels.counted_apart(seen["outputs"], said)
+                   if self.reduction.counts_items else [])
+        if counted and self._channels is None:  # the outputs that count apart, found once
+            self._channels = output_channels.OutputChannels(
+                counted, model.trainable_weights, self.configuration.accumulator_dtype)
+        apart = self._channels.gradients(counted, model.trainable_weights, scale) if counted else None
+        rest = loss if apart is None else self._channels.rest(loss, counted)
+        model.optimizer.scale_loss(rest).backward()
         grads = _keras_on_torch.gradients(model)
         window = self._window()
         weight = self.reduction.weight(_int(samples), _int(added), window)
         factor = None if weight is None else float(keras.ops.convert_to_numpy(weight))
-        finite = not self.skip_nonfinite or all_finite(grads)
-        scale = self._loss_scale()
+        finite = not self.skip_nonfinite or all(all_finite(g) for g in [grads, *(apart or [])])
+        whole = lambda: output_channels.whole_gradient(grads, apart)  # noqa: E731
         step = MicroStep(
-            squared_norm=lambda: squared_norm(grads) / scale ** 2,
-            mean_squared_norm=lambda: squared_norm(grads) / scale ** 2 / (
+            squared_norm=lambda: squared_norm(whole()) / scale ** 2,
+            mean_squared_norm=lambda: squared_norm(whole()) / scale ** 2 / (
                 max(samples, 1) ** 2 if isinstance(self.reduction, Sum) else 1),
             items=_int(added), measured_items=_int(added), samples=_int(samples),
             loss=keras.ops.cast(loss, "float32").detach(), measured=True, moments={})
@@ -181,6 +190,9 @@ class AccumulationHook(HookFront):
             if self.reduction.counts_items:
                 restart = restart or (int(window["window_items"]) <= 0 and added > 0)
             self._accumulators.add(grads, factor, restart)
+            if apart is not None:
+                opening = int(window["window_micro_batches"]) == int(window["window_nonfinite"])
+                self._channels.add(apart, counted, rest, samples, opening)
             self._count_on_device(window_items=added, items=added)
             tell(self.observers, "on_micro_step", step)
         else:
@@ -196,12 +208,9 @@ class AccumulationHook(HookFront):
         """A micro-batch with a non-finite gradient, left out (`skip_nonfinite`):
         a dynamic loss scale is halved, as Keras halves it after such a step,
         and what the window holds (scaled by it) with it."""
-        scale = _keras_on_torch.loss_scale_variables(self.model.optimizer)
-        if scale is not None:
-            dynamic_scale, step_counter = scale
-            dynamic_scale.assign(dynamic_scale * 0.5)
-            step_counter.assign(0)
-            self._accumulators.scale(0.5)
+        if _keras_on_torch.halve_loss_scale(self.model.optimizer):
+            for accumulators in [self._accumulators, *getattr(self._channels, "sums", [])]:
+                accumulators.scale(0.5)
         self._count_on_device(window_nonfinite=1, nonfinite_skips=1,
                               window_samples_left_out=samples, samples_left_out=samples)
         tell(self.observers, "on_leave_out", step)
@@ -214,10 +223,6 @@ class AccumulationHook(HookFront):
         """The open window's counts, as the reduction reads them (int64 tensors)."""
         values = self.counts.numpy()
         return {name: _int(values[name]) for name in WINDOW_COUNTS}
-
-    def _loss_scale(self):
-        scale = _keras_on_torch.loss_scale_variables(self.model.optimizer)
-        return 1.0 if scale is None else float(keras.ops.convert_to_numpy(scale[0].value))
 
     def _apply(self):
         """Applies the open window: its sum divided as the reduction says, then the
@@ -233,8 +238,10 @@ class AccumulationHook(HookFront):
             variables = model.trainable_weights
             _keras_on_torch.release_gradients(model)  # the last micro-batch's, read already
             grads = self._accumulators.divided(denominator, [v.value.dtype for v in variables])
+            if self._channels is not None:
+                grads = self._channels.combine(grads)
             if self.observers:
-                scale = self._loss_scale()
+                scale = _keras_on_torch.loss_scale(self.model.optimizer)
                 squares = [squared_norm([g]) for g in grads]
                 square = sum(squares) / scale ** 2
                 samples = max(values["window_samples"], 1)
@@ -243,7 +250,9 @@ class AccumulationHook(HookFront):
                     mean_squared_norm=square / samples ** 2 if isinstance(self.reduction, Sum)
                     else square,
                     variables=variables, variable_squares=squares, gradient_scale=None,
-                    window=window, counts=None, iterations=None, loss=None))
+                    window=window, counts=None, iterations=None,
+                    loss=None if self._channels is None else keras.ops.convert_to_tensor(
+                        self._channels.window_loss(values["window_samples"]), "float32")))
             with torch.no_grad():
                 model.optimizer.apply(grads, variables)
             counts.add(optimizer_steps=1)
@@ -258,8 +267,7 @@ class AccumulationHook(HookFront):
 
     def _end_window(self):
         self.counts.clear_window()
-        for name in DEVICE_WINDOW_COUNTS:
-            self.counts.on_device[device_index(name)] = 0
+        self.counts.on_device[[device_index(name) for name in DEVICE_WINDOW_COUNTS]] = 0
 
     # -- host-triggered window ends -----------------------------------------
 
@@ -306,17 +314,6 @@ def read_count(items):
 
 def _int(value):
     return keras.ops.convert_to_tensor(value, "int64")
-
-
-def check_outputs(outputs):
-    """Refuses outputs whose losses count different items (served on TensorFlow and JAX)."""
-    counting = [record.name for record in outputs if record.count is not None]
-    if len(outputs) > 1 and counting:
-        raise ValueError(
-            "tfaccum on Keras' PyTorch backend does not serve several outputs whose losses "
-            f"count different items yet (outputs {counting} average over their unmasked "
-            "elements, the others over samples: each needs a window of its own). Give "
-            "them one loss, or train on KERAS_BACKEND=jax or tensorflow, where it is served.")
 
 
 def check_served(model, configuration, observers):
