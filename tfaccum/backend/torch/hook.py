@@ -7,6 +7,8 @@ the step runs eagerly, so the host counts the window, adds each micro-batch's
 optimizer at its end (`step.py`).
 """
 
+import functools
+
 import keras
 import numpy as np
 import torch
@@ -176,10 +178,11 @@ class AccumulationHook(HookFront):
         weight = self.reduction.weight(_int(samples), _int(added), window)
         factor = None if weight is None else float(keras.ops.convert_to_numpy(weight))
         finite = not self.skip_nonfinite or all(all_finite(g) for g in [grads, *(apart or [])])
-        whole = lambda: output_channels.whole_gradient(grads, apart)  # noqa: E731
+        norm = functools.cache(  # once, where an observer asks
+            lambda: squared_norm(output_channels.whole_gradient(grads, apart)) / scale ** 2)
         step = MicroStep(
-            squared_norm=lambda: squared_norm(whole()) / scale ** 2,
-            mean_squared_norm=lambda: squared_norm(whole()) / scale ** 2 / (
+            squared_norm=norm,
+            mean_squared_norm=lambda: norm() / (
                 max(samples, 1) ** 2 if isinstance(self.reduction, Sum) else 1),
             items=_int(added), measured_items=_int(added), samples=_int(samples),
             loss=keras.ops.cast(loss, "float32").detach(), measured=True, moments={})
