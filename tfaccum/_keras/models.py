@@ -113,6 +113,17 @@ def orbax_checkpoint_class():
     return getattr(keras.callbacks, "OrbaxCheckpoint", None)
 
 
+def overriding_class(model, base, method):
+    """The name of the class between `type(model)` and `base` (a backend's
+    Keras trainer) that overrides `method`, or `None`."""
+    for cls in type(model).__mro__:
+        if cls is base:
+            return None
+        if method in vars(cls):
+            return cls.__name__
+    return None
+
+
 def flatten_layers(model):
     """Every layer nested in `model`, at any depth (not `model` itself).
 

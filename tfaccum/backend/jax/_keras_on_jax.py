@@ -10,6 +10,7 @@ epoch ends (`jax_state_sync()`), or when a callback asks for it.
 
 import keras
 
+from tfaccum._keras import models
 from tfaccum._keras.models import flatten_layers
 
 
@@ -223,12 +224,7 @@ def own_train_step(model):
     `keras.src.backend.jax.trainer.JAXTrainer`, Keras 3.7-3.15)."""
     from keras.src.backend.jax.trainer import JAXTrainer
 
-    for cls in type(model).__mro__:
-        if cls is JAXTrainer:
-            return None
-        if "train_step" in vars(cls):
-            return cls.__name__
-    return None
+    return models.overriding_class(model, JAXTrainer, "train_step")
 
 
 def training_arguments(model):

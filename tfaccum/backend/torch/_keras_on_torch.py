@@ -7,6 +7,7 @@ calls `backward()` and hands the variables' `.grad` to `optimizer.apply`.
 
 import keras
 
+from tfaccum._keras import models
 from tfaccum._keras.models import flatten_layers
 
 
@@ -43,12 +44,7 @@ def own_train_step(model):
     `keras.src.backend.torch.trainer.TorchTrainer`, Keras 3.7-3.15)."""
     from keras.src.backend.torch.trainer import TorchTrainer
 
-    for cls in type(model).__mro__:
-        if cls is TorchTrainer:
-            return None
-        if "train_step" in vars(cls):
-            return cls.__name__
-    return None
+    return models.overriding_class(model, TorchTrainer, "train_step")
 
 
 def loss_scale_variables(optimizer):
