@@ -27,7 +27,11 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 GAP = "…"  # what a refusal's text fills in at run time
 
-pytestmark = pytest.mark.once
+# The pages, the site and each guide's first block (run under the backend its
+# page names) are the same whatever backend the pass runs: read once, in the
+# TensorFlow pass (one suite run per backend, no copies: CI's time).
+pytestmark = [pytest.mark.once, pytest.mark.backend(
+    "tensorflow", reason="the docs read and run alike in every pass: the TensorFlow pass's")]
 
 
 @pytest.fixture(scope="module")
