@@ -151,6 +151,26 @@ def max_diff(a, b):
 max_weight_diff = max_diff
 
 
+def refused_then_plain(build, x, y, match, **callback_kwargs):
+    """`fit` with the callback is refused with a ValueError matching `match`,
+    and the model left trains as one never handed to tfaccum (weights and
+    optimizer iterations)."""
+    import pytest
+
+    from tfaccum import remove_accumulation_hook
+
+    model = build()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[
+            GradientAccumulationCallback(accumulation_steps=2, **callback_kwargs)])
+    assert remove_accumulation_hook(model) is None
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference = build()
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_diff(model, reference) < 1e-7
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
 def iterations(model):
     """`model.optimizer.iterations` as an int, as its schedules see it.
 

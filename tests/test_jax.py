@@ -16,6 +16,7 @@ from reference import keras
 from reference import make_data
 from reference import make_model
 from reference import max_diff
+from reference import refused_then_plain
 from reference import train_large_batches
 from reference import windows
 
@@ -26,24 +27,6 @@ TOL = 1e-5
 
 def model_builder(optimizer="adam", **compile_kwargs):
     return lambda: make_model(optimizer=optimizer, **compile_kwargs)
-
-
-def never_handed(build, x, y):
-    model = build()
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    return model
-
-
-def refused_then_plain(build, x, y, match, **callback_kwargs):
-    model = build()
-    with pytest.raises(ValueError, match=match):
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[
-            tfaccum.GradientAccumulationCallback(accumulation_steps=2, **callback_kwargs)])
-    assert tfaccum.remove_accumulation_hook(model) is None
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    reference = never_handed(build, x, y)
-    assert max_diff(model, reference) < 1e-7
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
 
 
 def sequences(n=40):
