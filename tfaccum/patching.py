@@ -147,3 +147,25 @@ class Installation(abc.ABC):
             return False
         current = self.compiled_state()
         return all(a is b or a == b for a, b in zip(current, self._compiled_for))
+
+
+class TrainFunctionInstallation(Installation):
+    """The hook's instance patches where Keras reads `model.train_function` at
+    every batch (its JAX and PyTorch trainers): the accumulating one takes its
+    place while installed, and Keras' own comes back after.
+
+    Args:
+        model: The compiled Keras model.
+        train_function: The accumulating train function, called as Keras' is.
+        owner: The hook.
+    """
+
+    def __init__(self, model, train_function, owner):
+        super().__init__(model, [InstancePatch(model, "train_function", train_function)], owner)
+        self._compiled_for = self.compiled_state()
+
+    def compiled_state(self):
+        """What the hook's step depends on, besides the hook."""
+        model = self.model
+        return (model.optimizer, model.jit_compile, model.run_eagerly,
+                tuple(id(v) for v in model.trainable_variables))

@@ -1,16 +1,13 @@
 """What a hook sets on a model on JAX: its train function, put back when removed."""
 
 from tfaccum.backend.jax import _keras_on_jax
-from tfaccum.patching import Installation
-from tfaccum.patching import InstancePatch
+from tfaccum.patching import TrainFunctionInstallation
 
 
-class ModelInstallation(Installation):
-    """The hook's instance patches: `model.train_function` and the hook's mark.
-
-    Keras' JAX trainer makes its train function before the callbacks' train
-    begins and reads `model.train_function` at every batch: the accumulating
-    one takes its place while installed, and Keras' own comes back after.
+class ModelInstallation(TrainFunctionInstallation):
+    """`model.train_function` swapped in (Keras' JAX trainer makes its own
+    before the callbacks' train begins), its compiled steps tied to the
+    devices too.
 
     Args:
         model: The compiled Keras model.
@@ -18,12 +15,6 @@ class ModelInstallation(Installation):
         owner: The hook.
     """
 
-    def __init__(self, model, train_function, owner):
-        super().__init__(model, [InstancePatch(model, "train_function", train_function)], owner)
-        self._compiled_for = self.compiled_state()
-
     def compiled_state(self):
         """What the compiled functions depend on, besides the hook (the devices too)."""
-        model = self.model
-        return (model.optimizer, model.jit_compile, model.run_eagerly,
-                tuple(id(v) for v in model.trainable_variables), _keras_on_jax.distribution())
+        return (*super().compiled_state(), _keras_on_jax.distribution())

@@ -2,7 +2,7 @@
 
 `hook.py` (the hook, the same public surface as the other backends'),
 `step.py` (one micro-batch's gradient added to the window, and the window's
-update), `installation.py` (the train function swapped in) and
+update), `output_channels.py` (outputs that count apart) and
 `_keras_on_torch.py` (what the PyTorch trainer is read for). The counts, the
 reductions, the observers and the dashboard's summaries are the core's.
 `BACKEND` is what the callback asks.

@@ -20,7 +20,6 @@ from tfaccum import items as said_items
 from tfaccum._keras import counted_losses
 from tfaccum.backend.torch import _keras_on_torch
 from tfaccum.backend.torch import output_channels
-from tfaccum.backend.torch.installation import ModelInstallation
 from tfaccum.backend.torch.step import Accumulators
 from tfaccum.backend.torch.step import all_finite
 from tfaccum.backend.torch.step import squared_norm
@@ -30,6 +29,7 @@ from tfaccum.counts import WINDOW_COUNTS
 from tfaccum.counts import Window
 from tfaccum.counts import device_index
 from tfaccum.hook_front import HookFront
+from tfaccum.patching import TrainFunctionInstallation
 from tfaccum.observing import MicroStep
 from tfaccum.observing import Update
 from tfaccum.observing import WindowObserver
@@ -77,7 +77,7 @@ class AccumulationHook(HookFront):
         self._accumulators = None  # made at the first micro-batch
         self._channels = None  # likewise, where outputs count apart
         self._observed = None  # the observers' states, likewise
-        self.installation = ModelInstallation(model, self._train_function, self)
+        self.installation = TrainFunctionInstallation(model, self._train_function, self)
         self._install()
 
     def _install(self):
