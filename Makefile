@@ -27,7 +27,7 @@ TF_KERAS_TESTS := tests/test_callback.py tests/test_hook.py tests/test_schedule.
 	tests/test_nonfinite.py tests/test_resume.py tests/test_distribution.py \
 	tests/test_window.py tests/test_features_meet.py tests/test_items.py \
 	tests/test_optimizers.py tests/test_gradient_cache.py tests/test_refusals.py \
-	tests/test_interrupts.py
+	tests/test_interrupts.py tests/test_backup.py
 
 # Keras 3 on JAX and on PyTorch runs the whole suite too: a test of what a
 # backend does not serve says so (`backend` marker, with the test of that

@@ -61,6 +61,7 @@ TABLES = {
     "jax": (["jax_backend.py", "--repeats", "5"], 0),
     "jax-data-parallel": (["jax_backend.py", "--repeats", "3", "--devices", "2"], 0),
     "torch": (["torch_backend.py", "--repeats", "3"], 0),
+    "backup": (["backup_cost.py", "--repeats", "3"], 0),
 }
 # On a GPU: the wider models of the CPU's tables (an MLP of 1M weights is all
 # launch overhead there), timed as users run them (wall clock, TensorFlow's

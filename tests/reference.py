@@ -51,6 +51,9 @@ NOT_ON_TORCH = {
     "steps_per_execution": "Keras' PyTorch trainer refuses steps_per_execution > 1 itself",
     "window_loss": "window-wide losses are refused by name on torch "
                    "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
+    "devices": "distributions are refused by name on torch (Keras has no "
+               "keras.distribution there; "
+               "test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
     "batch_norm": "accumulation-aware batch normalization is refused by name on torch "
                   "(test_torch.py::test_what_torch_does_not_serve_is_refused_by_name)",
 }

@@ -101,3 +101,12 @@ def test_orbax_checkpoints_by_batch_are_refused_by_name():
     assert int(model.optimizer.iterations) == 0
     model.fit(x, y, batch_size=4, verbose=0)  # plain again
     assert int(model.optimizer.iterations) == 4
+
+
+def test_keras_backups_by_batch_are_warned_about_with_the_exact_one_named(tmp_path):
+    x, y = make_data(16)
+    with pytest.warns(UserWarning, match=r"callbacks.BackupAndRestore\(save_freq=2\) backs up "
+                      r"the weights of the last update.*tfaccum.BackupAndRestore takes the same"):
+        make_model().fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(str(tmp_path / "b"), save_freq=2),
+            GradientAccumulationCallback(accumulation_steps=2)])

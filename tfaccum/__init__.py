@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 # TensorBoard without Keras), and a backend's names load only that backend.
 _PUBLIC = {
     "GradientAccumulationCallback": "tfaccum.callback",
+    "BackupAndRestore": "tfaccum.backup",
     "Window": "tfaccum.counts",
     "install_accumulation_hook": "tfaccum.install",
     "remove_accumulation_hook": "tfaccum.install",

@@ -145,6 +145,7 @@ class GradientAccumulationCallback(_keras.Callback):
         self._scope = FitScope(end_fit=self._end_fit, stop_fit=self._stop_fit)
         self._backend = None  # the model's, at `fit`
         self._epoch_open = False
+        self._held = False
 
     @property
     def hook(self):
@@ -196,7 +197,7 @@ class GradientAccumulationCallback(_keras.Callback):
                                      scalars=self.scalars, write_interval=self.write_interval)
             self.estimator, self.summaries = backend.estimator_of(hook), backend.summaries_of(hook)
             self._scope.begin(hook, reinstall=False)
-        self._epoch_open = False
+        self._epoch_open = self._held = False
         self._last_batch = -1
         self._warned_long_window = False
         if self.summaries is not None:
@@ -287,9 +288,18 @@ class GradientAccumulationCallback(_keras.Callback):
             self._end_fit()
         self._scope.retire()
 
+    def hold_window(self):
+        """Leaves the open window pending when this `fit` stops, as an interrupt
+        does (`tfaccum.BackupAndRestore` stopping for SIGTERM: its backup holds it)."""
+        self._held = True
+
     def _end_fit(self):
         """Applies or drops what is left when `fit` ends; the loop is over."""
         hook = self.hook
+        if self._held:
+            self._scope.end()
+            self._stop_fit()
+            return
         self._scope.end()
         window = hook.drop() if self.leftover == "drop" else hook.flush()
         action = "drop" if self.leftover == "drop" else "flush"
@@ -306,6 +316,9 @@ class GradientAccumulationCallback(_keras.Callback):
 
     def _end_epoch(self):
         self._epoch_open = False
+        if self._held:
+            self._leftover_window = self.hook.pending
+            return
         # "carry" leaves the window open: what it holds is only reported.
         end = {"flush": self.hook.flush, "drop": self.hook.drop}.get(self.leftover)
         self._leftover_window = end() if end is not None else self.hook.pending

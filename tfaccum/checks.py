@@ -7,6 +7,7 @@ saying what it takes.
 import difflib
 import numbers
 import os
+import warnings
 
 from tfaccum.dashboard_schema import LEFTOVER_POLICIES as LEFTOVERS
 from tfaccum import _keras
@@ -105,9 +106,20 @@ def check_removable(loop_running, model):
 
 
 def check_fit_callbacks(callbacks, always_one, accumulation_steps):
-    """Refuses a `fit`'s checkpoints that cannot resume accumulation."""
+    """Refuses a `fit`'s checkpoints that cannot resume accumulation; warns of
+    Keras' own backups that cannot resume it exactly."""
     orbax = _keras.orbax_checkpoint_class()
     for other in callbacks:
+        if (type(other).__name__ == "BackupAndRestore" and not always_one
+                and not type(other).__module__.startswith("tfaccum")
+                and getattr(other, "save_freq", "epoch") != "epoch"):
+            warnings.warn(
+                f"{type(other).__module__.split('.')[0]}.callbacks.BackupAndRestore("
+                f"save_freq={other.save_freq!r}) backs up the weights of the last update, "
+                "not the open window, and a resumed fit trains its epoch's first batches "
+                "again: the resumed run is not the interrupted one's. tfaccum.BackupAndRestore "
+                "takes the same arguments and resumes exactly at any micro-batch.",
+                stacklevel=4)
         if (orbax is not None and isinstance(other, orbax)
                 and not isinstance(other.save_freq, str) and not always_one):
             raise ValueError(
@@ -117,7 +129,8 @@ def check_fit_callbacks(callbacks, always_one, accumulation_steps):
                 "steps that already exist (StepAlreadyExistsError; Keras' own "
                 "`gradient_accumulation_steps` fails alike). Use "
                 "OrbaxCheckpoint(save_freq='epoch') (with `initial_epoch` when "
-                "resuming) or keras.callbacks.ModelCheckpoint. Received: "
+                "resuming), keras.callbacks.ModelCheckpoint, or tfaccum.BackupAndRestore "
+                "(exact resume at any micro-batch). Received: "
                 f"OrbaxCheckpoint(save_freq={other.save_freq!r}) with "
                 f"accumulation_steps={accumulation_steps!r}"
             )

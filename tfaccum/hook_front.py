@@ -98,6 +98,26 @@ class HookFront:
         finally:
             self.installation.uninstall()
 
+    # -- backups (`tfaccum.BackupAndRestore`) ---------------------------------------------
+
+    window_backup = None  # a backend's module: `read(hook)`, `restore(hook, state)`, `refusal(hook)`
+
+    def window_state(self):
+        """The open window, the counters and the observers' states, as
+        `{name: numpy array}` (read between micro-steps): what a backup holds
+        of the hook."""
+        return self.window_backup.read(self)
+
+    def restore_window_state(self, state):
+        """Sets a `window_state()` on this hook, which a new `fit` installed, before
+        its first micro-step: the window goes on as if never interrupted. A state
+        that does not fit is a `ValueError` naming its entry; nothing changes."""
+        self.window_backup.restore(self, state)
+
+    def backup_refusal(self):
+        """What this hook cannot hold in a backup mid-window (a phrase), or `None`."""
+        return self.window_backup.refusal(self)
+
     def __enter__(self):
         return self
 

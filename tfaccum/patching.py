@@ -131,6 +131,11 @@ class Installation(abc.ABC):
             patch.apply()
         return patch
 
+    def release(self, patch):
+        """Restores a held patch and holds it no more."""
+        patch.restore()
+        self.patches.remove(patch)
+
     def install(self):
         for patch in self.patches:
             patch.apply()

@@ -32,7 +32,9 @@ from tfaccum._keras.api import (  # noqa: F401
 )
 from tfaccum._keras.models import (  # noqa: F401
     Callback,
+    build_compiled_metrics,
     compiled_with_optimizer,
+    fit_arguments,
     fit_callback_list,
     fit_is_running,
     flatten_layers,
@@ -43,9 +45,11 @@ from tfaccum._keras.models import (  # noqa: F401
     optimizer_variables,
     orbax_checkpoint_class,
     print_msg,
+    resume_at_epoch,
     regularized_variables,
     scales_loss_dynamically,
     unpack_x_y_sample_weight,
+    variable_numpy,
 )
 from tfaccum._keras.keras3 import (  # noqa: F401
     Keras3,
@@ -57,7 +61,9 @@ __all__ = [
     "check_backend",
     "SUPPORTED_BACKENDS",
     "Callback",
+    "build_compiled_metrics",
     "compiled_with_optimizer",
+    "fit_arguments",
     "fit_callback_list",
     "fit_is_running",
     "flatten_layers",
@@ -68,8 +74,10 @@ __all__ = [
     "optimizer_variables",
     "orbax_checkpoint_class",
     "print_msg",
+    "resume_at_epoch",
     "regularized_variables",
     "scales_loss_dynamically",
     "unpack_x_y_sample_weight",
+    "variable_numpy",
     "Keras3",
 ]

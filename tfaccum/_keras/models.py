@@ -82,6 +82,48 @@ def fit_is_running(model):
         del frame
 
 
+def fit_arguments(model):
+    """The arguments of the running `model.fit` (`{name: value}`), or `{}`.
+
+    The `fit` frame's locals, as `fit_is_running` finds it: a callback sees
+    neither the data nor `shuffle`. Their names are Keras' public signature
+    (`x`, `shuffle`, `steps_per_epoch`; Keras 3.7-3.15).
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return dict(frame.f_locals)
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame
+
+
+def variable_numpy(variable):
+    """A Keras 3 variable's value as a NumPy array, on any backend (on
+    TensorFlow read from the variable itself: a mirrored one too)."""
+    value = variable.value
+    if keras.backend.backend() == "tensorflow":
+        return value.numpy()
+    return keras.ops.convert_to_numpy(value)
+
+
+def build_compiled_metrics(model, data):
+    """Makes the compiled metrics' variables, as the first step would, from a
+    batch `data` (`Trainer._symbolic_build(data_batch=)`, private, Keras
+    3.7-3.15; TensorFlow on one device makes them while its first step
+    traces, the other backends before `fit`'s first step)."""
+    model._symbolic_build(data_batch=data)
+
+
+def resume_at_epoch(model, epoch):
+    """Makes the running `fit` start at `epoch` (as Keras' `BackupAndRestore`
+    does: `Trainer._initial_epoch`, private, read once `on_train_begin` ran;
+    Keras 3.7-3.15)."""
+    model._initial_epoch = epoch
+
+
 def fit_callback_list(callback):
     """The `CallbackList` of the running `fit` that holds `callback`, or `None`.
 

@@ -17,6 +17,7 @@ from tfaccum import checks
 from tfaccum import interrupts
 from tfaccum import items as said_items
 from tfaccum.backend.jax import _keras_on_jax
+from tfaccum.backend.jax import window_backup
 from tfaccum.backend.jax.devices import for_distribution
 from tfaccum.backend.jax.installation import ModelInstallation
 from tfaccum.backend.jax.precision import Rounding
@@ -39,14 +40,14 @@ from tfaccum.window_losses import window_loss_of
 class AccumulationHook(HookFront):
     """Makes a compiled model on Keras' JAX backend update once per window of micro-batches.
 
-    As `tfaccum.AccumulationHook` on TensorFlow (see it for the arguments and
-    the example); `GradientAccumulationCallback` and
-    `install_accumulation_hook` pick this one for a model on JAX. What JAX
-    does not serve yet is refused by name when the hook is made
-    (`check_served`), before anything on the model changes.
+    As `tfaccum.AccumulationHook` on TensorFlow (its arguments, its example);
+    the callback and `install_accumulation_hook` pick this one on JAX. What
+    JAX does not serve yet is refused by name when the hook is made, before
+    anything on the model changes (`check_served`).
     """
 
     backend_name = "jax"
+    window_backup = window_backup  # what a backup holds of the hook
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
         check_served(model, configuration, observers)

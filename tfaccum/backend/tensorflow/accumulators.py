@@ -7,11 +7,14 @@ large batch's `IndexedSlices`. `Accumulators` holds them, the window's loss
 sums and the hook's counts.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tfaccum.backend.tensorflow import gradients
 from tfaccum.backend.tensorflow import precision
 from tfaccum.backend.tensorflow.counter_variable import CounterVariable
+from tfaccum.backend.tensorflow.devices import assign_local
+from tfaccum.backend.tensorflow.devices import local_values
 from tfaccum.backend.tensorflow.devices import variable_options
 
 
@@ -83,9 +86,9 @@ def _nbytes(variable):
 class BFloat16Accumulator(DenseAccumulator):
     """A dense accumulator in bfloat16, summed as `precision.BFloat16Sum` does."""
 
-    def __init__(self, variable, synchronization, aggregation, dtype=tf.bfloat16):
+    def __init__(self, variable, synchronization, aggregation, dtype=tf.bfloat16, seeds=None):
         super().__init__(variable, synchronization, aggregation, dtype=dtype)
-        self._sum = precision.BFloat16Sum(self.variable)
+        self._sum = precision.BFloat16Sum(self.variable, seeds)
 
     def add(self, grad, weight):
         self._sum.add(grad, weight)
@@ -172,13 +175,23 @@ class Accumulators:
             (float32; float64 for float64), or `tf.bfloat16` (summed in
             float32 each micro-step and rounded stochastically,
             `precision.BFloat16Sum`). Row accumulators stay float32.
+        rounding: The `precision.RoundingSeeds` bfloat16 accumulators draw
+            from (another window's, whose counts number the micro-steps);
+            by default, under `dtype=tf.bfloat16`, made here.
     """
 
-    def __init__(self, strategy, *, sparse_rows=True, dtype=None):
+    def __init__(self, strategy, *, sparse_rows=True, dtype=None, rounding=None):
         self.strategy = strategy
         self.sparse_rows = sparse_rows
         self.dtype = None if dtype is None else tf.as_dtype(dtype)
         self.counts = CounterVariable(strategy)
+        # Made here, its seed is this window's to renew (an output's channel
+        # shares the main window's, and is emptied at each window's end).
+        self._owns_rounding = rounding is None and self.dtype == tf.bfloat16
+        if self._owns_rounding:
+            rounding = precision.RoundingSeeds(
+                strategy, lambda: self.counts.read(["micro_steps"])["micro_steps"])
+        self.rounding = rounding
         self._accumulators = {}  # id(variable) -> accumulator
         # Made ahead of the first trace (`create_dense(provisional=True)`),
         # kept once a traced step shows each gets a dense gradient.
@@ -267,8 +280,10 @@ class Accumulators:
         with tf.init_scope(), self.strategy.scope():
             if rows:  # rows stay float32: they hold only the window's looked-up rows
                 return RowAccumulator(variable, *self._variable_options)
-            cls = BFloat16Accumulator if self.dtype == tf.bfloat16 else DenseAccumulator
-            return cls(variable, *self._variable_options, dtype=self.dtype)
+            if self.dtype == tf.bfloat16:
+                return BFloat16Accumulator(variable, *self._variable_options, dtype=self.dtype,
+                                           seeds=self.rounding.stream())
+            return DenseAccumulator(variable, *self._variable_options, dtype=self.dtype)
 
     def has_accumulator(self, variable):
         return id(variable) in self._accumulators
@@ -335,6 +350,69 @@ class Accumulators:
         """Empties the accumulators and zeroes every count."""
         self.reset()
         self.counts.zero()
+        if self._owns_rounding:  # the micro-steps count from 0 again
+            self.rounding.renew()
+
+    # -- backups (on the host, between micro-steps) --------------------------------------
+
+    def backup_refusal(self, held):
+        """What of the window a backup cannot hold (a phrase), or `None`.
+
+        Args:
+            held: The ids of the variables whose accumulators a backup names.
+        """
+        if self._provisional_rows or any(
+                isinstance(a, RowAccumulator) for a in self._accumulators.values()):
+            return "sparse_gradients='rows' (the window's rows)"
+        if set(self._accumulators) - set(held):
+            return "gradients of variables outside the model's trainable_variables"
+        return None
+
+    def held(self, names):
+        """What each of this machine's replicas holds, as `[{name: array}]`.
+
+        Args:
+            names: `{id(variable): name}` of the variables whose dense
+                accumulators are held (`backup_refusal()` says whether that
+                is all of the window).
+
+        Returns:
+            Per replica: its loss sums (`"loss_sum"`) and each accumulator
+            under its variable's name (bfloat16 as float32).
+        """
+        held = [{"loss_sum": value} for value in local_values(self.strategy, self.loss_sum)]
+        for key, accumulator in self._accumulators.items():
+            if key in names and isinstance(accumulator, DenseAccumulator):
+                for replica, value in zip(held, local_values(self.strategy, accumulator.variable)):
+                    replica[names[key]] = value
+        return held
+
+    def hold(self, variables, held):
+        """Sets what each replica holds from `held()`'s form.
+
+        An accumulator `held` does not name is emptied; one it names that
+        was not made yet (a step of the model's own, not traced) is made
+        now, provisionally as `create_ahead` makes them.
+
+        Args:
+            variables: `{name: variable}` of the names `held` may use.
+            held: Per replica, `{name: array}` (a loss sum missing is zero).
+        """
+        named = {name for replica in held for name in replica}
+        # In the model's order: bfloat16 accumulators draw from streams
+        # numbered as they are made.
+        self.create_dense([variable for name, variable in variables.items() if name in named],
+                          provisional=True)
+        names = {id(variable): name for name, variable in variables.items()}
+        assign_local(self.strategy, self.loss_sum,
+                     [replica.get("loss_sum", np.zeros(2)) for replica in held])
+        for key, accumulator in self._accumulators.items():
+            if not isinstance(accumulator, DenseAccumulator):
+                accumulator.reset()  # rows: on one device, a plain variable
+                continue
+            variable = accumulator.variable
+            assign_local(self.strategy, variable, [
+                replica.get(names.get(key), np.zeros(variable.shape)) for replica in held])
 
 
 def _accumulator_dtype(variable):

@@ -4,6 +4,8 @@ import collections.abc
 
 import tensorflow as tf
 
+from tfaccum.backend.tensorflow.devices import assign_local
+from tfaccum.backend.tensorflow.devices import local_values
 from tfaccum.counts import REPLICA_SHARES
 from tfaccum.counts import TOTAL_COUNTS
 from tfaccum.counts import WINDOW_COUNTS
@@ -87,6 +89,16 @@ class CounterVariable:
 
     def zero(self):
         self.variable.assign(tf.zeros_like(self.variable))
+
+    def replica_numpy(self):
+        """Each of this machine's replicas' counts, as `[{name: int}]` (host reads)."""
+        return [{name: int(vector[i]) for i, name in enumerate(self.names)}
+                for vector in local_values(self._strategy, self.variable)]
+
+    def set_replicas(self, counts):
+        """Sets each of this machine's replicas' counts from `replica_numpy()`'s form."""
+        assign_local(self._strategy, self.variable,
+                     [[values[name] for name in self.names] for values in counts])
 
 
 class _CountsRead(collections.abc.Mapping):

@@ -27,6 +27,33 @@ def variable_options(strategy):
     return tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE
 
 
+def local_values(strategy, variable):
+    """Each of this machine's replicas' value of `variable`, as NumPy arrays.
+
+    One per replica for a variable kept per replica (an accumulator, the
+    counts), one for a plain or mirrored one. bfloat16 is read as float32
+    (exact), which NumPy holds without ml_dtypes.
+    """
+    values = []
+    for component in strategy.experimental_local_results(variable):
+        value = component.read_value()
+        if value.dtype == tf.bfloat16:
+            value = tf.cast(value, tf.float32)
+        values.append(value.numpy())
+    return values
+
+
+def assign_local(strategy, variable, values):
+    """Sets each of this machine's replicas' `variable` to its entry of `values`.
+
+    Each replica's own component is assigned: a variable summed when read
+    across replicas (`ON_READ`) takes no assignment of the whole outside a
+    replica context.
+    """
+    for component, value in zip(strategy.experimental_local_results(variable), values):
+        component.assign(tf.cast(value, component.dtype))
+
+
 def for_model(model, state, applier, observers, *, skip_nonfinite, source):
     """`OneDevice` without a strategy, `SeveralDevices` under one (even of one replica)."""
     cls = SeveralDevices if _keras_on_tf.under_strategy(model.distribute_strategy) else OneDevice

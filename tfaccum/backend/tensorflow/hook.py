@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfaccum import checks
 from tfaccum import interrupts
 from tfaccum.backend.tensorflow import _keras_on_tf
+from tfaccum.backend.tensorflow import window_backup
 from tfaccum.backend.tensorflow.accumulating_step import AccumulatingStep
 from tfaccum.backend.tensorflow.window_loss.gradient_cache import CachingStep
 from tfaccum.backend.tensorflow.host_ends import HostEnds
@@ -78,6 +79,8 @@ class AccumulationHook(HookFront):
         model.fit(x, y, batch_size=8, epochs=3)
     ```
     """
+
+    window_backup = window_backup  # what a backup holds of the hook (`window_state()`)
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
         api = _keras_on_tf.api_for(model)  # the core's, with what only TensorFlow reads

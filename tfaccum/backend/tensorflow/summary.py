@@ -48,21 +48,21 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         self._row_count = _keras_on_tf.local_variable(tf.zeros((), tf.int64), "summary_row_count")
         # Updates that found the buffer full (none when written in time).
         self._overflow = _keras_on_tf.local_variable(tf.zeros((), tf.int64), "summary_overflow")
-        # Sum and maximum of the micro-batch gradient norms in the window.
-        self._micro_norm_sum = _keras_on_tf.local_variable(0.0, "micro_norm_sum")
-        self._micro_norm_max = _keras_on_tf.local_variable(0.0, "micro_norm_max")
-        self._micro_count = _keras_on_tf.local_variable(0.0, "micro_count")
         self._norms = None  # (capacity, variables), created at installation
 
     # -- the window protocol (inside the train step) ------------------------------
 
+    def initial(self):
+        # Sum and maximum of the micro-batch gradient norms in the window.
+        return {name: tf.zeros((), tf.float32)
+                for name in ("micro_norm_sum", "micro_norm_max", "micro_count")}
+
     def on_micro_step(self, state, step):
         """Adds one micro-batch's gradient norm (few ops: every micro-step)."""
         norm = tf.sqrt(step.squared_norm)  # 0 where not measured
-        self._micro_norm_sum.assign_add(norm)
-        self._micro_norm_max.assign(tf.maximum(self._micro_norm_max, norm))
-        self._micro_count.assign_add(tf.cast(step.measured, tf.float32))
-        return {}
+        return {"micro_norm_sum": state["micro_norm_sum"] + norm,
+                "micro_norm_max": tf.maximum(state["micro_norm_max"], norm),
+                "micro_count": state["micro_count"] + tf.cast(step.measured, tf.float32)}
 
     def on_install(self, hook):
         super().on_install(hook)
@@ -99,15 +99,16 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         micro_steps = counts["micro_steps"]
         updates = counts["optimizer_steps"] + 1
         noise_scale = float("nan") if self.noise is None else self.noise.current()
-        measured = self._micro_count > 0
+        measured = state["micro_count"] > 0
         values = {
             "applied_gradient_norm": tf.norm(present_norms),
             # Not a number where no micro-batch gradient was measured (a
             # window-wide loss has none of its own).
-            "micro_norm_mean": tf.where(measured, tf.cast(self._micro_norm_sum, tf.float64)
-                                        / tf.cast(tf.maximum(self._micro_count, 1.0), tf.float64),
-                                        tf.constant(float("nan"), tf.float64)),
-            "micro_norm_max": tf.where(measured, self._micro_norm_max, float("nan")),
+            "micro_norm_mean": tf.where(
+                measured, tf.cast(state["micro_norm_sum"], tf.float64)
+                / tf.cast(tf.maximum(state["micro_count"], 1.0), tf.float64),
+                tf.constant(float("nan"), tf.float64)),
+            "micro_norm_max": tf.where(measured, state["micro_norm_max"], float("nan")),
             "window_micro_batches": window["window_micro_batches"],
             "window_samples": window["window_samples"],
             "micro_steps": micro_steps,
@@ -130,10 +131,7 @@ class AccumulationSummaries(WindowObserver, DashboardWriter):
         return {}
 
     def on_reset(self, state):
-        self._micro_norm_sum.assign(0.0)
-        self._micro_norm_max.assign(0.0)
-        self._micro_count.assign(0.0)
-        return {}
+        return self.initial()
 
     def on_uninstall(self, hook):
         self.flush()

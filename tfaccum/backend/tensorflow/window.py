@@ -43,14 +43,17 @@ class OutputChannels:
         sparse_rows: As `Accumulators`'.
         loss_share: What Keras multiplies each replica's losses by (see
             `_keras_on_tf.replica_loss_share`).
+        dtype, rounding: As `Accumulators`' (the main window's `rounding`).
     """
 
     def __init__(self, strategy, names, weights, *, sparse_rows=True, loss_share=1.0,
-                 dtype=None):
+                 dtype=None, rounding=None):
         self.names = list(names)
         self.weights = output_weighting.loss_weights(weights)
-        self.channels = [Accumulators(strategy, sparse_rows=sparse_rows, dtype=dtype)
-                        for _ in names]
+        # bfloat16 channels draw from the main window's seeds: theirs count no micro-step.
+        self.channels = [Accumulators(strategy, sparse_rows=sparse_rows, dtype=dtype,
+                                      rounding=rounding)
+                         for _ in names]
         self._loss_share = loss_share
 
     def track(self, grads_per_output, variables):
@@ -197,7 +200,7 @@ class WindowState:
                 channels = OutputChannels(
                     self.strategy, names, [output.loss_weight for output in micro.outputs],
                     sparse_rows=self.accumulators.sparse_rows, loss_share=self.loss_share,
-                    dtype=self.accumulators.dtype)
+                    dtype=self.accumulators.dtype, rounding=self.accumulators.rounding)
                 if strategy is not None:  # cross-replica: dense, as the main window's
                     for channel in channels.channels:
                         channel.create_dense([v for v in micro.variables

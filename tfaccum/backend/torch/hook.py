@@ -19,6 +19,7 @@ from tfaccum import interrupts
 from tfaccum import items as said_items
 from tfaccum._keras import counted_losses
 from tfaccum.backend.torch import _keras_on_torch
+from tfaccum.backend.torch import window_backup
 from tfaccum.backend.torch import output_channels
 from tfaccum.backend.torch.step import Accumulators
 from tfaccum.backend.torch.step import all_finite
@@ -53,14 +54,14 @@ class _OnHost:
 class AccumulationHook(HookFront):
     """Makes a compiled model on Keras' PyTorch backend update once per window of micro-batches.
 
-    As `tfaccum.AccumulationHook` on TensorFlow (see it for the arguments and
-    the example); `GradientAccumulationCallback` and
-    `install_accumulation_hook` pick this one for a model on PyTorch. What
-    PyTorch does not serve yet is refused by name when the hook is made
-    (`check_served`), before anything on the model changes.
+    As `tfaccum.AccumulationHook` on TensorFlow (its arguments, its example);
+    the callback and `install_accumulation_hook` pick this one on PyTorch. What
+    PyTorch does not serve yet is refused by name when the hook is made, before
+    anything on the model changes (`check_served`).
     """
 
     backend_name = "torch"
+    window_backup = window_backup  # what a backup holds of the hook
     ops = keras.ops  # the tensor namespace observers compute with
 
     def _make(self, model, api, configuration, observers, accumulation_steps):
