@@ -193,6 +193,27 @@ def test_the_noise_scale_adds_its_norm_and_one_update_to_a_micro_step(variant):
     assert added["SelectV2"] == 0 and added["NotEqual"] == 0, added
 
 
+def test_the_readmes_proof_is_what_the_proof_prints():
+    """examples/proof.py on TensorFlow: tfaccum is the large batch, the others are not,
+    and the README's TensorFlow column says what it printed."""
+    rows = {row[0].strip(): float(row[1]) for row in printed_tables(run("examples/proof.py"))[0][1:]}
+    assert rows["tfaccum, 8 x 4"] < 1e-6
+    assert rows["Keras' gradient_accumulation_steps=4, 8 x 4"] > 1e-2
+    assert rows["no accumulation, batch 8"] > 1e-1
+    readme = (ROOT / "README.md").read_text()
+    for printed in rows.values():
+        assert f"| {printed:.1e} |" in readme
+
+
+def test_backup_benchmark_table():
+    """A backup holds one parameter copy more than Keras' own (the open window)."""
+    out = run("benchmarks/backup_cost.py", "--width", "256", "--repeats", "1", "--epochs", "2")
+    rows = {row[0].strip(): row for row in printed_tables(out)[0][1:]}
+    assert sorted(rows) == ["idle", "keras", "none", "tfaccum"]
+    ours, keras_own = (float(rows[v][2].split()[0]) for v in ("tfaccum", "keras"))
+    assert abs(ours - 4.0) < 0.2 and abs(keras_own - 3.0) < 0.3
+
+
 def test_every_benchmark_table_has_its_place_in_the_results():
     """`make benchmarks` writes each table between its markers in benchmarks/RESULTS.md."""
     run_all = benchmark_module("run_all")
