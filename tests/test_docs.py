@@ -279,6 +279,14 @@ def test_the_readme_links_land_and_reach_every_guide(site):
     assert not [g for g in nav_guides() if f"docs/{g}" not in linked], "a guide the README misses"
 
 
+def test_no_code_line_is_cut_at_the_sites_right_edge():
+    # The site's content column shows 80 characters of code at 1280 px.
+    long = [f"{path.name}: {line}" for path in [README, *sorted(DOCS.glob("*.md"))]
+            for block in re.findall(r"^```\w*\n(.*?)^```", path.read_text(), re.M | re.S)
+            for line in block.splitlines() if len(line) > 80]
+    assert not long, "code lines over 80 characters:\n" + "\n".join(long)
+
+
 def test_no_commit_hashes_in_the_readme_or_the_guides():
     hash_like = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
     for path in [README, *(DOCS / guide for guide in nav_guides()), DOCS / "index.md"]:
@@ -312,7 +320,8 @@ def run_block(code, cwd, **env):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-@pytest.mark.parametrize("page", ["README.md", *(f"docs/{guide}" for guide in nav_guides())])
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md",
+                                  *(f"docs/{guide}" for guide in nav_guides())])
 def test_the_quickstart_and_each_guides_main_block_run(page, tmp_path):
     # (The strategies guide's MirroredStrategy() has one replica here: a CPU.)
     code = first_python_block(ROOT / page)
