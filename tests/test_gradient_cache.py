@@ -49,6 +49,13 @@ def _optimizer(name):
         return keras.optimizers.SGD(0.5, momentum=0.9)
     if name == "sgd_ema":  # the weights `fit` ends with are the moving average's
         return keras.optimizers.SGD(0.5, momentum=0.9, use_ema=True, ema_momentum=0.5)
+    if name == "adamw_bfloat16":
+        # bfloat16 gradients keep about 3 digits: two right computations differ
+        # by 1-2e-3, and Adam's first step turns a gradient within that noise
+        # into a whole +-lr step (a sign flip: 0.047 where CPUs without
+        # AVX-512 truncate bfloat16 matmuls). An epsilon at the noise's size
+        # keeps such a step noise-sized.
+        return keras.optimizers.AdamW(0.02, weight_decay=0.01, clipnorm=0.5, epsilon=1e-3)
     return keras.optimizers.AdamW(0.02, weight_decay=0.01, clipnorm=0.5)
 
 
@@ -525,18 +532,20 @@ def test_mixed_precision_scales_the_cached_gradients(mixed_precision):
 
 @pytest.mark.keras3
 def test_mixed_bfloat16_windows_are_as_close_as_bfloat16_allows():
-    """bfloat16 forward passes (no loss scale): 1.2e-3 on JAX and 1.3e-3 on
-    TensorFlow from the large batch after 8 AdamW updates (its outputs keep
-    about 3 digits); ordinary accumulation of the same loss is 0.17 away."""
+    """bfloat16 forward passes (no loss scale): about 8e-4 from the large batch
+    on TensorFlow and JAX after 8 AdamW updates (its outputs keep about 3
+    digits; over ten data seeds at most 1.8e-3), where training moves the
+    weights by more than 0.1."""
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
         x, y = _data(38)
-        result = compare(lambda: build("in_batch", "adamw"), x, y, micro=4, steps=3, epochs=2)
+        result = compare(lambda: build("in_batch", "adamw_bfloat16"), x, y, micro=4, steps=3,
+                         epochs=2)
         assert result.model.outputs[0].dtype == "bfloat16"
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert result.diff < 5e-3, result.diff
-    assert result.moved(lambda: build("in_batch", "adamw")) > 1e-1
+    assert result.moved(lambda: build("in_batch", "adamw_bfloat16")) > 1e-1
 
 
 @pytest.mark.keras3
