@@ -42,7 +42,8 @@ class BackupAndRestore(_keras.Callback):
     a backup leaves the previous one whole. On SIGTERM (what spot machines,
     TPU and SLURM send before they stop a process) a backup is taken at the
     end of the current micro-batch and `fit` returns; run the script again to
-    go on from there.
+    go on from there. Keras 3, on every backend (a tf_keras model is
+    refused by name).
 
     Exact for data read in the same order by every run: arrays and
     `keras.utils.PyDataset` with `shuffle=False`, finite `tf.data` pipelines

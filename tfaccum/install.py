@@ -15,6 +15,11 @@ def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", sk
     hook stays installed until removed, across any number of `fit` calls.
     The model's `AccumBatchNormalization` layers pool their windows.
 
+    Returns:
+        The installed `AccumulationHook` of the model's backend (its
+        counters, `flush()`, `drop()`, `remove()`; a context manager that
+        flushes and removes on exit).
+
     Example:
 
     ```python
