@@ -200,9 +200,17 @@ def test_the_readmes_proof_is_what_the_proof_prints():
     assert rows["tfaccum, 8 x 4"] < 1e-6
     assert rows["Keras' gradient_accumulation_steps=4, 8 x 4"] > 1e-2
     assert rows["no accumulation, batch 8"] > 1e-1
+    # The README's TensorFlow column, row for row: rounding noise below 1e-6
+    # differs between CPUs; the rest within 10%.
     readme = (ROOT / "README.md").read_text()
-    for printed in rows.values():
-        assert f"| {printed:.1e} |" in readme
+    said = [float(re.findall(r"\| ([0-9.]+e[-+]\d+) \|", line)[0])
+            for line in readme.splitlines() if line.startswith("| ") and "e-0" in line][:3]
+    assert len(said) == 3, said
+    for printed, written in zip(rows.values(), said):
+        if written < 1e-6:
+            assert printed < 1e-6, (printed, written)
+        else:
+            assert abs(printed - written) <= 0.1 * written, (printed, written)
 
 
 def test_backup_benchmark_table():
