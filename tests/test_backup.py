@@ -194,6 +194,13 @@ def test_a_backup_of_another_model_is_refused_and_the_model_kept(tmp_path):
             BackupAndRestore(tmp_path, save_freq=2))
     for ours, theirs in zip(weights_of(other), before):
         np.testing.assert_array_equal(ours, theirs)
+    # The same model without the accumulation callback: refused, nothing assigned.
+    plain = make_model()
+    before = weights_of(plain)
+    with pytest.raises(ValueError, match=r"holds an accumulation window, and this fit has no"):
+        fit(plain, x, y, BackupAndRestore(tmp_path, save_freq=2))
+    for ours, theirs in zip(weights_of(plain), before):
+        np.testing.assert_array_equal(ours, theirs)
     # The same model with another optimizer: refused before a weight is assigned.
     same = make_model(optimizer="adam")
     before = weights_of(same)

@@ -121,10 +121,14 @@ class BackupAndRestore(_keras.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         _check_backup(meta, model)  # before anything is assigned
+        accumulation = _accumulation_callback(self)
+        if accumulation is None and any(key.startswith("window/") for key in arrays):
+            raise ValueError("The backup holds an accumulation window, and this fit has no "
+                             "GradientAccumulationCallback. Resume with the callbacks the "
+                             "backup was taken with.")
         _assign(model.variables, arrays, "model")
         if model.optimizer is not None:
             _assign(model.optimizer.variables, arrays, "optimizer")
-        accumulation = _accumulation_callback(self)
         log_dir = getattr(accumulation, "log_dir", None)
         if log_dir is not None:
             backup_files.cut_dashboard(log_dir, meta["dashboard"], meta["time"])
@@ -163,10 +167,6 @@ class BackupAndRestore(_keras.Callback):
                   if key.startswith("window/")}
         if hook is not None and window:
             hook.restore_window_state(window)
-        elif window:
-            raise ValueError("The backup holds an accumulation window, and this fit has no "
-                             "GradientAccumulationCallback. Resume with the callbacks the "
-                             "backup was taken with.")
 
     def _restore_metrics(self, data=None):
         if data is not None:
