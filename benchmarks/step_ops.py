@@ -47,8 +47,9 @@ def build(variant, width):
     if variant in ("tfaccum", "no-noise", "samples"):
         # What the callback installs with these arguments (no BatchNormalization here).
         observers = () if variant == "no-noise" else (NoiseScaleEstimator(),)
-        tfaccum.AccumulationHook(model, accumulation_steps=STEPS, observers=observers,
-                                 reduction="samples" if variant == "samples" else "auto")
+        tfaccum.AccumulationHook.watched_by(
+            model, observers, accumulation_steps=STEPS,
+            reduction="samples" if variant == "samples" else "auto")
     return model
 
 

@@ -64,10 +64,9 @@ def build(variant, args, steps):
     model.compile(optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation),
                   loss="sparse_categorical_crossentropy")
     if not variant.startswith("keras"):
-        tfaccum.AccumulationHook(
-            model, accumulation_steps=steps,
-            observers=(NoiseScaleEstimator(),) if variant == "tfaccum" else (),
-            reduction="samples" if variant == "samples" else "auto")
+        tfaccum.AccumulationHook.watched_by(
+            model, (NoiseScaleEstimator(),) if variant == "tfaccum" else (),
+            accumulation_steps=steps, reduction="samples" if variant == "samples" else "auto")
     model.make_train_function()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, 64)).astype("float32")

@@ -8,6 +8,7 @@ links land; the quickstart and each guide's first code block run as written.
 """
 
 import ast
+import html
 import json
 import os
 import re
@@ -66,22 +67,37 @@ def public_methods(path, class_name):
 def test_every_public_name_and_hook_method_is_in_the_built_reference(site):
     ids = html_ids(site / "api" / "index.html")
     documented = {anchor.rsplit(".", 1)[-1] for anchor in ids if anchor.startswith("tfaccum.")}
+    # Every backend's `AccumulationHook` is documented once, as their front.
+    documented |= {"AccumulationHook"} if "tfaccum.hook_front.HookFront" in ids else set()
     missing = sorted(set(tfaccum.__all__) - documented)
     assert not missing, f"not in docs/api.md's rendered reference: {missing}"
-    front = public_methods(ROOT / "tfaccum" / "hook_front.py", "HookFront")
-    internal = {"made_with", "uninstall"}  # the callback's and the backends' business
-    for backend in ("tensorflow", "jax"):
-        path = ROOT / "tfaccum" / "backend" / backend / "hook.py"
-        own = public_methods(path, "AccumulationHook")
-        if backend == "jax":
-            own -= {"observer_state", "set_observer_state"}  # the JAX observers' state
-        anchor = f"tfaccum.backend.{backend}.hook.AccumulationHook"
-        missing = sorted(name for name in (front | own) - internal
-                         if f"{anchor}.{name}" not in ids)
-        assert not missing, f"{anchor}: methods not in the reference: {missing}"
+    # The callback's and the backends' business, and the backup's hooks into the hook.
+    internal = {"made_with", "watched_by", "uninstall", "observer_state", "set_observer_state",
+                "backup_refusal"}
+    for path in [ROOT / "tfaccum" / "hook_front.py", *(
+            ROOT / "tfaccum" / "backend" / backend / "hook.py"
+            for backend in ("tensorflow", "jax", "torch"))]:
+        own = public_methods(path, "HookFront" if path.name == "hook_front.py"
+                             else "AccumulationHook")
+        missing = sorted(name for name in own - internal
+                         if f"tfaccum.hook_front.HookFront.{name}" not in ids)
+        assert not missing, f"{path}: methods not in the reference: {missing}"
     text = (site / "api" / "index.html").read_text()
     for counter in tfaccum.counts.Counters.__dataclass_fields__:
         assert f"{counter}" in text, counter
+
+
+def test_the_reference_shows_types_and_no_internal_parameter(site):
+    """Each argument's type is in the signatures; what only tfaccum passes is not."""
+    page = re.sub(r"<[^>]+>", "", (site / "api" / "index.html").read_text())
+    page = html.unescape(re.sub(r"\s+", " ", page))
+    for shown in ("accumulation_steps: int | dict[int, int] | Callable[[int], int]",
+                  "skip_nonfinite: bool | None = None",
+                  "backup_dir: str | PathLike",
+                  "-> AccumulationHook | None"):
+        assert shown in page, shown
+    hook = page.split("AccumulationHook ¶")[1].split("accumulation_steps ¶")[0]
+    assert "accumulation_steps int" in hook and "observers" not in hook
 
 
 # -- every refusal, on one page -----------------------------------------------

@@ -44,7 +44,7 @@ def test_reinstall_resets_every_observer():
     x, y = make_data(n=16)
     model = make_model()
     estimator = NoiseScaleEstimator()
-    hook = AccumulationHook(model, accumulation_steps=4, observers=[estimator])
+    hook = AccumulationHook.watched_by(model, [estimator], accumulation_steps=4)
     model.train_on_batch(x[:8], y[:8])
     model.train_on_batch(x[8:], y[8:])
     assert np.asarray(estimator.state()["micro"])[0] > 0  # half a window: sum b |g|^2
@@ -126,7 +126,7 @@ def test_a_full_summary_buffer_loses_rows_it_does_not_overwrite(tmp_path):
     x, y = make_data(n=48)
     model = make_model()
     summaries = AccumulationSummaries(str(tmp_path / "run"), capacity=4)
-    hook = AccumulationHook(model, accumulation_steps=1, observers=[summaries])
+    hook = AccumulationHook.watched_by(model, [summaries], accumulation_steps=1)
     for i in range(0, 48, 8):  # 6 updates, nothing written in between
         model.train_on_batch(x[i:i + 8], y[i:i + 8])
     with pytest.warns(UserWarning, match=r"2 optimizer updates' summaries found the device buffer of 4 rows full"):

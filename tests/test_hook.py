@@ -86,7 +86,7 @@ def test_the_first_two_flushes_run_eagerly_and_later_ones_compiled():
     x, y = make_data(n=30)  # 8 micro-batches of 4 an epoch: windows of 3, 3 and a flushed 2
     model, reference = make_model(optimizer="adam"), make_model(optimizer="adam")
     recorder = ApplyRecorder()
-    hook = tfaccum.AccumulationHook(model, accumulation_steps=3, observers=[recorder])
+    hook = tfaccum.AccumulationHook.watched_by(model, [recorder], accumulation_steps=3)
     traced = []
     for _ in range(4):
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)

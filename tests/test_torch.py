@@ -65,7 +65,7 @@ def test_an_observer_of_no_backend_is_refused_by_name():
     model = make_model(optimizer="adam")
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=r"observers made for another backend \(\['object'\]\)"):
-        tfaccum.AccumulationHook(model, accumulation_steps=2, observers=[object()])
+        tfaccum.AccumulationHook.watched_by(model, [object()], accumulation_steps=2)
     assert tfaccum.remove_accumulation_hook(model) is None
     assert max_diff(model.get_weights(), before) == 0
 

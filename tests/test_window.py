@@ -102,7 +102,7 @@ def test_a_new_observer_is_told_everything():
     x, y = make_data(n=40)
     model = make_model()
     recorder = Recorder()
-    hook = AccumulationHook(model, accumulation_steps=2, observers=[recorder])
+    hook = AccumulationHook.watched_by(model, [recorder], accumulation_steps=2)
     assert recorder.calls == ["install"]
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 5 micro-batches
     assert int(recorder.micro_samples) == 40

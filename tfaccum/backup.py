@@ -11,6 +11,8 @@ counters (`hook.window_state()`), and the position in the data. A resumed
 computing them.
 """
 
+from __future__ import annotations
+
 import os
 import signal
 import threading
@@ -71,8 +73,8 @@ class BackupAndRestore(_keras.Callback):
     ```
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
-                 delete_checkpoint=True):
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
+                 double_checkpoint: bool = False, delete_checkpoint: bool = True):
         super().__init__()
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
             raise ValueError("`backup_dir` must be a non-empty path. "

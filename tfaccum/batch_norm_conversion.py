@@ -7,6 +7,8 @@ TensorFlow backend's `keras2` twin; a converted layer is saved as the
 `BatchNormalization` it was (`saved_as`).
 """
 
+from __future__ import annotations
+
 import collections
 import importlib
 import os
@@ -18,7 +20,7 @@ import keras
 from tfaccum import _keras
 
 
-def convert_batch_norm(model, in_place=False, verbose=1):
+def convert_batch_norm(model, in_place: bool = False, verbose: int = 1):
     """Makes every `BatchNormalization` of `model` accumulation-aware.
 
     Each `keras.layers.BatchNormalization`, at any depth (a backbone nested in
@@ -29,7 +31,7 @@ def convert_batch_norm(model, in_place=False, verbose=1):
     its preprocessor.
 
     Args:
-        model: A Keras 3 or tf_keras (Keras 2) model of any kind.
+        model (keras.Model): A Keras 3 or tf_keras (Keras 2) model of any kind.
         in_place: `False` (default): convert a copy (made by saving and
             loading the model in memory, so it must be serializable) and
             leave `model` as it was. `True`: convert `model` itself, which

@@ -1,6 +1,11 @@
 """`GradientAccumulationCallback`: exact large-batch training with `model.fit`."""
 
+from __future__ import annotations
+
+import inspect
+import os
 import warnings
+from collections.abc import Callable
 
 from tfaccum import _keras
 from tfaccum import backend as backends
@@ -11,6 +16,7 @@ from tfaccum.counts import Counters
 from tfaccum.counts import with_counter_properties
 from tfaccum.dashboard_writer import probe_log_dir
 from tfaccum.fit_scope import FitScope
+from tfaccum.reduction import Reduction
 from tfaccum.schedule import AccumulationSchedule
 from tfaccum.window_losses import window_loss_of
 
@@ -114,17 +120,17 @@ class GradientAccumulationCallback(_keras.Callback):
     def __init__(
         self,
         *,
-        accumulation_steps,
-        reduction="auto",
-        leftover="flush",
-        verbose=0,
-        skip_nonfinite=None,
-        noise_scale=None,
-        log_dir=None,
-        scalars=False,
-        write_interval=30.0,
-        sparse_gradients="rows",
-        accumulator_dtype="float32",
+        accumulation_steps: int | dict[int, int] | Callable[[int], int],
+        reduction: str | Reduction = "auto",
+        leftover: str = "flush",
+        verbose: int = 0,
+        skip_nonfinite: bool | None = None,
+        noise_scale: bool | None = None,
+        log_dir: str | os.PathLike | None = None,
+        scalars: bool = False,
+        write_interval: float = 30.0,
+        sparse_gradients: str = "rows",
+        accumulator_dtype: str = "float32",
     ):
         _keras.check_backend()
         super().__init__()
@@ -331,3 +337,11 @@ class GradientAccumulationCallback(_keras.Callback):
                 int(_keras.iterations(self.model.optimizer).numpy()), policy, window,
                 micro_steps=counters.micro_steps, updates=counters.optimizer_steps,
                 nonfinite=counters.nonfinite_skips)
+
+
+# `__new__` takes anything, to name a positional or misspelt argument first;
+# `help()` and `inspect` show `__init__`'s keywords.
+GradientAccumulationCallback.__signature__ = inspect.signature(
+    GradientAccumulationCallback.__init__).replace(
+        parameters=list(inspect.signature(GradientAccumulationCallback.__init__)
+                        .parameters.values())[1:])

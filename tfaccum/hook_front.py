@@ -9,11 +9,14 @@ model and the arguments were checked here), `installation` (its
 `_zero()` (the counters and window emptied, for `reinstall()`).
 """
 
+from __future__ import annotations
+
 from tfaccum import _keras
 from tfaccum import checks
 from tfaccum import observing
 from tfaccum.configuration import Configuration
 from tfaccum.counts import Counters
+from tfaccum.counts import Window
 from tfaccum.counts import with_counter_properties
 from tfaccum.install import warn_if_discarded
 from tfaccum.patching import installed_on
@@ -21,19 +24,88 @@ from tfaccum.patching import installed_on
 
 @with_counter_properties
 class HookFront:
-    """The public surface of an accumulation hook, alike on every backend."""
+    """Makes a compiled model update its weights once per window of micro-batches.
+
+    `tfaccum.AccumulationHook` is this class's subclass for the backend Keras
+    runs on (`tfaccum.backend.<name>.hook.AccumulationHook`); the callback
+    and `install_accumulation_hook` make it.
+
+    Creating the hook installs it: the gradients the model's train step
+    hands its optimizer are summed, and the optimizer updates once every
+    `accumulation_steps` micro-batches with the large batch's gradient. A
+    window that is not full waits for `flush()` or `drop()`; `remove()`
+    restores the plain model exactly. Counters are read from the device
+    only when asked for: `hook.counters` (a `Counters`, all at once) or one
+    by one as properties (`hook.micro_steps`, `optimizer_steps`, `flushes`,
+    `dropped_micro_steps`, `nonfinite_skips`, `samples`, `items`).
+
+    What differs per backend (anything not served is refused by name when
+    the hook is made, before the model changes):
+
+    - TensorFlow (Keras 3 and tf_keras): a `train_step` of your own is
+      accumulated (it applies through `self.optimizer` once per step);
+      sparse gradients stay rows; `tf.distribute` replicas and workers,
+      where every worker must read `pending` and call `flush()` and
+      `drop()` (its samples are summed over replicas).
+    - JAX: Keras' `train_step` (override `compute_loss`), one device or
+      `keras.distribution.DataParallel`.
+    - PyTorch: Keras' `train_step`, one device, `jit_compile=False`, no
+      window-wide losses yet.
+
+    Args:
+        model (keras.Model): A compiled Keras model.
+        accumulation_steps: Micro-batches per optimizer update: an integer >= 1.
+            Change it between steps with `set_accumulation_steps()`.
+        reduction: As `GradientAccumulationCallback`'s. Defaults to `"auto"`.
+        skip_nonfinite: As `GradientAccumulationCallback`'s. Defaults to `None`.
+        sparse_gradients: As `GradientAccumulationCallback`'s. Defaults to
+            `"rows"`.
+        accumulator_dtype: As `GradientAccumulationCallback`'s. Defaults to
+            `"float32"`.
+
+    Example:
+
+    ```python
+    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
+    for x_batch, y_batch in micro_batches:
+        model.train_on_batch(x_batch, y_batch)
+    hook.flush()   # apply a partial last window
+    hook.remove()  # back to a plain Keras model
+    ```
+
+    It is also a context manager that flushes and removes itself on exit:
+
+    ```python
+    with tfaccum.install_accumulation_hook(model, accumulation_steps=4):
+        model.fit(x, y, batch_size=8, epochs=3)
+    ```
+    """
 
     # Said in `repr` beside the counters (TensorFlow's says nothing).
     backend_name = None
 
-    def __init__(self, model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                 sparse_gradients="rows", accumulator_dtype="float32", observers=()):
+    def __init__(self, model, *, accumulation_steps: int, reduction: str = "auto",
+                 skip_nonfinite: bool | None = None, sparse_gradients: str = "rows",
+                 accumulator_dtype: str = "float32"):
+        self._resolve_and_make(model, (), accumulation_steps=accumulation_steps,
+                               reduction=reduction, skip_nonfinite=skip_nonfinite,
+                               sparse_gradients=sparse_gradients,
+                               accumulator_dtype=accumulator_dtype)
+
+    @classmethod
+    def watched_by(cls, model, observers, **arguments):
+        """A hook whose window `observers` watch (the summaries, the noise
+        scale, `AccumBatchNormalization`'s statistics): what
+        `install_accumulation_hook` makes. `arguments` are `__init__`'s."""
+        hook = cls.__new__(cls)
+        hook._resolve_and_make(model, observers, **arguments)
+        return hook
+
+    def _resolve_and_make(self, model, observers, *, accumulation_steps, **options):
         api = _keras.api_for_model_argument(model, "model")
         checks.check_compiled(model, api, installed_on(model))
         configuration = Configuration.resolve(
-            reduction=reduction, skip_nonfinite=skip_nonfinite,
-            sparse_gradients=sparse_gradients, accumulator_dtype=accumulator_dtype,
-            observers=[type(observer) for observer in observers])
+            **options, observers=[type(observer) for observer in observers])
         self._make(model, api, configuration, observers, accumulation_steps)
 
     @classmethod
@@ -50,8 +122,42 @@ class HookFront:
         """The hook installed on `model`, or `None`."""
         return installed_on(model)
 
+    # -- what each backend provides -----------------------------------------------------
+
     @property
-    def installed(self):
+    def accumulation_steps(self) -> int:
+        """The window's length now: micro-batches per optimizer update."""
+        raise NotImplementedError
+
+    def set_accumulation_steps(self, accumulation_steps: int):
+        """Sets the window length used from the next micro-batch on."""
+        raise NotImplementedError
+
+    @property
+    def pending(self) -> Window:
+        """The `Window` accumulated but not yet applied."""
+        raise NotImplementedError
+
+    def flush(self) -> Window:
+        """Applies a partial window now, normalised by what it holds.
+
+        Returns:
+            The `Window` that was applied (`Window(0, 0)` if none was pending).
+        """
+        raise NotImplementedError
+
+    def drop(self) -> Window:
+        """Discards a partial window; it is counted in `dropped_micro_steps`.
+
+        Returns:
+            The `Window` that was discarded.
+        """
+        raise NotImplementedError
+
+    # -- alike on every backend --------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
         """Whether the hook is installed on its model now."""
         return self.installation.installed
 

@@ -1,19 +1,35 @@
 """Accumulation installed by hand, on whichever backend the model runs."""
 
+from __future__ import annotations
+
 import warnings
+from typing import TYPE_CHECKING
 
 from tfaccum import _keras
 from tfaccum import backend as backends
 from tfaccum.patching import installed_on
 
+if TYPE_CHECKING:  # the hook imports this module
+    from tfaccum.hook_front import HookFront as AccumulationHook
 
-def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", skip_nonfinite=None,
-                              sparse_gradients="rows", accumulator_dtype="float32"):
+
+def install_accumulation_hook(model, *, accumulation_steps: int, reduction: str = "auto",
+                              skip_nonfinite: bool | None = None, sparse_gradients: str = "rows",
+                              accumulator_dtype: str = "float32") -> AccumulationHook:
     """Installs gradient accumulation on a compiled model and returns the hook.
 
-    See `AccumulationHook` for the arguments; `hook.remove()` undoes it. The
-    hook stays installed until removed, across any number of `fit` calls.
-    The model's `AccumBatchNormalization` layers pool their windows.
+    `hook.remove()` undoes it. The hook stays installed until removed, across
+    any number of `fit` calls. The model's `AccumBatchNormalization` layers
+    pool their windows.
+
+    Args:
+        model (keras.Model): A compiled Keras model.
+        accumulation_steps: Micro-batches per optimizer update: an integer >= 1
+            (`hook.set_accumulation_steps()` changes it).
+        reduction: As `GradientAccumulationCallback`'s.
+        skip_nonfinite: As `GradientAccumulationCallback`'s.
+        sparse_gradients: As `GradientAccumulationCallback`'s.
+        accumulator_dtype: As `GradientAccumulationCallback`'s.
 
     Returns:
         The installed `AccumulationHook` of the model's backend (its
@@ -34,8 +50,11 @@ def install_accumulation_hook(model, *, accumulation_steps, reduction="auto", sk
         accumulator_dtype=accumulator_dtype)
 
 
-def remove_accumulation_hook(model):
+def remove_accumulation_hook(model) -> AccumulationHook | None:
     """Removes the accumulation hook from `model`, if one is installed.
+
+    Args:
+        model (keras.Model): The model the hook was installed on.
 
     Returns:
         The removed `AccumulationHook`, or `None` if none was installed.

@@ -14,7 +14,10 @@ any loss. The losses here are written in `keras.ops`: one definition serves
 every backend (and tf_keras, whose tensors Keras 3's TensorFlow ops take).
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Callable
 
 from tfaccum.reduction import Auto
 
@@ -59,7 +62,7 @@ class WindowLoss:
     ```
     """
 
-    def __init__(self, fn=None, *, name=None):
+    def __init__(self, fn: Callable | None = None, *, name: str | None = None):
         if fn is not None and not callable(fn):
             raise TypeError(
                 f"`fn` must be a callable `fn(y_true, y_pred)` returning one loss per "
@@ -120,7 +123,8 @@ class InBatchSoftmax(WindowLoss):
     ```
     """
 
-    def __init__(self, temperature=0.05, *, symmetric=False, normalize=True, name=None):
+    def __init__(self, temperature: float | str = 0.05, *, symmetric: bool = False,
+                 normalize: bool = True, name: str | None = None):
         if temperature != "learned":
             _check_temperature(temperature)
         self.temperature = temperature
@@ -181,7 +185,7 @@ class NTXent(WindowLoss):
     ```
     """
 
-    def __init__(self, temperature=0.5, *, name=None):
+    def __init__(self, temperature: float = 0.5, *, name: str | None = None):
         _check_temperature(temperature)
         self.temperature = float(temperature)
         super().__init__(name=name or "nt_xent")

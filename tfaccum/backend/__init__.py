@@ -74,7 +74,7 @@ class Backend(abc.ABC):
 
     def install(self, model, **arguments):
         """A hook installed by hand (`install_accumulation_hook`)."""
-        return self.hook_class(model, observers=self.layer_observers(model), **arguments)
+        return self.hook_class.watched_by(model, self.layer_observers(model), **arguments)
 
     def estimator_of(self, hook):
         """`hook`'s noise-scale observer, or `None`."""

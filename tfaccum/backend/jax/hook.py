@@ -38,12 +38,10 @@ from tfaccum.window_losses import window_loss_of
 
 
 class AccumulationHook(HookFront):
-    """Makes a compiled model on Keras' JAX backend update once per window of micro-batches.
+    """The `AccumulationHook` on Keras' JAX backend: see `HookFront`.
 
-    As `tfaccum.AccumulationHook` on TensorFlow (its arguments, its example);
-    the callback and `install_accumulation_hook` pick this one on JAX. What
-    JAX does not serve yet is refused by name when the hook is made, before
-    anything on the model changes (`check_served`).
+    What JAX does not serve yet is refused by name when the hook is made,
+    before anything on the model changes (`check_served`).
     """
 
     backend_name = "jax"
@@ -102,11 +100,9 @@ class AccumulationHook(HookFront):
 
     @property
     def accumulation_steps(self):
-        """The window's length now: micro-batches per optimizer update."""
         return self._steps
 
     def set_accumulation_steps(self, accumulation_steps):
-        """Sets the window length used from the next micro-batch on."""
         self._steps = checks.check_steps(accumulation_steps)
 
     ops = jnp  # the array namespace observers compute with
@@ -125,8 +121,7 @@ class AccumulationHook(HookFront):
 
     @property
     def pending(self):
-        """The `Window` accumulated but not yet applied (its samples kept: a
-        device read where micro-batches may be left out)."""
+        # Its samples are kept: a device read where micro-batches may be left out.
         values = self.counts.numpy() if self.skip_nonfinite else self.counts.values
         return Window(values["window_micro_batches"], values["window_samples"])
 
@@ -244,11 +239,6 @@ class AccumulationHook(HookFront):
     # -- host-triggered window ends -----------------------------------------
 
     def flush(self):
-        """Applies a partial window now, normalised by what it holds.
-
-        Returns:
-            The `Window` that was applied (`Window(0, 0)` if none was pending).
-        """
         window = self.pending
         if not window.micro_batches:
             return window
@@ -272,11 +262,6 @@ class AccumulationHook(HookFront):
         return window
 
     def drop(self):
-        """Discards a partial window; it is counted in `dropped_micro_steps`.
-
-        Returns:
-            The `Window` that was discarded.
-        """
         window = self.pending
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)

@@ -34,50 +34,11 @@ _deferred_interrupts = tf.autograph.experimental.do_not_convert(interrupts.defer
 
 
 class AccumulationHook(HookFront):
-    """Makes a compiled model update its weights once per window of micro-batches.
+    """The `AccumulationHook` on TensorFlow (Keras 3 and tf_keras): see `HookFront`.
 
-    Creating the hook installs it: the gradients the model's `train_step`
-    (Keras' or an override, applying through `self.optimizer` once per step)
-    hands its optimizer are summed, and the optimizer updates once every
-    `accumulation_steps` micro-batches with the large batch's gradient (the
-    same values and type: a sparse one as the window's rows). A model
-    compiled with a `tfaccum.WindowLoss` trains by gradient caching
-    (`tfaccum.backend.tensorflow.window_loss.gradient_cache`). A window that is not full waits for
-    `flush()` or `drop()`; `remove()` restores the plain model exactly.
-    Counters are read from the device only when asked for: `hook.counters`
-    (a `Counters`, all at once) or one by one as properties
-    (`hook.micro_steps`, `optimizer_steps`, `flushes`, `dropped_micro_steps`,
-    `nonfinite_skips`, `samples`, `items`).
-
-    Args:
-        model: A compiled Keras model.
-        accumulation_steps: Integer >= 1, micro-batches per optimizer update.
-            Change it between steps with `set_accumulation_steps()`.
-        reduction: As `GradientAccumulationCallback`'s. Defaults to `"auto"`.
-        skip_nonfinite: As `GradientAccumulationCallback`'s. Defaults to `None`.
-        sparse_gradients: As `GradientAccumulationCallback`'s. Defaults to `"rows"`.
-        accumulator_dtype: As `GradientAccumulationCallback`'s. Defaults to
-            `"float32"`.
-        observers: Internal: what watches the window (the summaries, the
-            noise scale, `AccumBatchNormalization`'s statistics), which
-            `install_accumulation_hook` and the callback pass.
-
-    Example:
-
-    ```python
-    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
-    for x_batch, y_batch in micro_batches:
-        model.train_on_batch(x_batch, y_batch)
-    hook.flush()   # apply a partial last window
-    hook.remove()  # back to a plain Keras model
-    ```
-
-    It is also a context manager that flushes and removes itself on exit:
-
-    ```python
-    with tfaccum.install_accumulation_hook(model, accumulation_steps=4):
-        model.fit(x, y, batch_size=8, epochs=3)
-    ```
+    A model compiled with a `tfaccum.WindowLoss` trains by gradient caching
+    (`tfaccum.backend.tensorflow.window_loss.gradient_cache`); a sparse
+    gradient is applied as the window's rows.
     """
 
     window_backup = window_backup  # what a backup holds of the hook (`window_state()`)
@@ -153,22 +114,15 @@ class AccumulationHook(HookFront):
 
     @property
     def accumulation_steps(self):
-        """The window's length now: micro-batches per optimizer update."""
         return int(self.state.steps.numpy())
 
     def set_accumulation_steps(self, accumulation_steps):
-        """Sets the window length used from the next micro-batch on."""
         self.state.steps.assign(checks.check_steps(accumulation_steps))
 
     # -- counters -----------------------------------------------------------
 
     @property
     def pending(self):
-        """The `Window` accumulated but not yet applied.
-
-        With several replicas its samples are summed over them: every worker
-        must read it (as it must call `flush()` and `drop()`).
-        """
         return self._ends.pending()
 
     # -- the per-step graph -------------------------------------------------------
@@ -187,17 +141,7 @@ class AccumulationHook(HookFront):
     # -- host-triggered window ends -----------------------------------------
 
     def flush(self):
-        """Applies a partial window now, normalised by what it holds.
-
-        Returns:
-            The `Window` that was applied (`Window(0, 0)` if none was pending).
-        """
         return self._ends.flush()
 
     def drop(self):
-        """Discards a partial window; it is counted in `dropped_micro_steps`.
-
-        Returns:
-            The `Window` that was discarded.
-        """
         return self._ends.drop()

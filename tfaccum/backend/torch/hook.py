@@ -52,12 +52,10 @@ class _OnHost:
 
 
 class AccumulationHook(HookFront):
-    """Makes a compiled model on Keras' PyTorch backend update once per window of micro-batches.
+    """The `AccumulationHook` on Keras' PyTorch backend: see `HookFront`.
 
-    As `tfaccum.AccumulationHook` on TensorFlow (its arguments, its example);
-    the callback and `install_accumulation_hook` pick this one on PyTorch. What
-    PyTorch does not serve yet is refused by name when the hook is made, before
-    anything on the model changes (`check_served`).
+    What PyTorch does not serve yet is refused by name when the hook is
+    made, before anything on the model changes (`check_served`).
     """
 
     backend_name = "torch"
@@ -98,11 +96,9 @@ class AccumulationHook(HookFront):
 
     @property
     def accumulation_steps(self):
-        """The window's length now: micro-batches per optimizer update."""
         return self._steps
 
     def set_accumulation_steps(self, accumulation_steps):
-        """Sets the window length used from the next micro-batch on."""
         self._steps = checks.check_steps(accumulation_steps)
 
     def observer_state(self, observer):
@@ -117,7 +113,6 @@ class AccumulationHook(HookFront):
 
     @property
     def pending(self):
-        """The `Window` accumulated but not yet applied (its samples kept)."""
         values = self.counts.numpy()
         return Window(values["window_micro_batches"], values["window_samples"])
 
@@ -276,11 +271,6 @@ class AccumulationHook(HookFront):
     # -- host-triggered window ends -----------------------------------------
 
     def flush(self):
-        """Applies a partial window now, normalised by what it holds.
-
-        Returns:
-            The `Window` that was applied (`Window(0, 0)` if none was pending).
-        """
         window = self.pending
         if window.micro_batches:
             with interrupts.deferred():
@@ -290,11 +280,6 @@ class AccumulationHook(HookFront):
         return window
 
     def drop(self):
-        """Discards a partial window; it is counted in `dropped_micro_steps`.
-
-        Returns:
-            The `Window` that was discarded.
-        """
         window = self.pending
         if window.micro_batches:  # the next micro-batch overwrites the accumulators
             self.counts.add(dropped_micro_steps=window.micro_batches)
