@@ -14,8 +14,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# -qq: errors only; setuptools' banner on compat editable installs is not one.
 $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[$*]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install -qq -e '.[$*]' --config-settings editable_mode=compat
 	touch $@
 
 # The core behaviour runs again on Keras 2 (tf_keras), with its users' switch:
@@ -53,7 +54,7 @@ OLDEST_TESTS := tests/test_hook.py tests/test_window.py \
 $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST_VENV)/bin/python -m pip install --quiet $(OLDEST) 'pytest>=8' 'pytest-xdist>=3' -e . --config-settings editable_mode=compat
+	$(OLDEST_VENV)/bin/python -m pip install -qq $(OLDEST) 'pytest>=8' 'pytest-xdist>=3' -e . --config-settings editable_mode=compat
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
