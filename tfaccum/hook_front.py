@@ -44,9 +44,10 @@ class HookFront:
 
     - TensorFlow (Keras 3 and tf_keras): a `train_step` of your own is
       accumulated (it applies through `self.optimizer` once per step);
-      sparse gradients stay rows; `tf.distribute` replicas and workers,
-      where every worker must read `pending` and call `flush()` and
-      `drop()` (its samples are summed over replicas).
+      sparse gradients stay rows; `tf.distribute` replicas and workers.
+      With several workers, `pending`, `flush()` and `drop()` communicate
+      across them: where one worker calls one, every worker must (its
+      samples are summed over replicas).
     - JAX: Keras' `train_step` (override `compute_loss`), one device or
       `keras.distribution.DataParallel`.
     - PyTorch: Keras' `train_step`, one device, `jit_compile=False`, no

@@ -58,6 +58,15 @@ def remove_accumulation_hook(model) -> AccumulationHook | None:
 
     Returns:
         The removed `AccumulationHook`, or `None` if none was installed.
+
+    Example:
+
+    ```python
+    hook = tfaccum.install_accumulation_hook(model, accumulation_steps=4)
+    model.fit(x, y, batch_size=8)
+    hook.flush()  # apply a partial last window
+    tfaccum.remove_accumulation_hook(model)  # a plain Keras model again
+    ```
     """
     _keras.api_for_model_argument(model, "model")
     hook = installed_on(model)
