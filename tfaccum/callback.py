@@ -92,9 +92,8 @@ class GradientAccumulationCallback(_keras.Callback):
             `"bfloat16"`: half the accumulators' memory under a pooling
             allocator (a GPU's, or `TF_CPU_ALLOCATOR_USE_BFC=true`; not the
             CPU's default one), each micro-step summed in float32 and rounded
-            stochastically. Sparse rows stay float32; refused with
-            `tf.distribute` replicas (served under JAX's `DataParallel`).
-            Defaults to `"float32"`.
+            stochastically. Sparse rows stay float32. Refused with
+            `tf.distribute` replicas. Defaults to `"float32"`.
 
     Attributes:
         counters: The last `fit`'s counters, one `tfaccum.counts.Counters` snapshot

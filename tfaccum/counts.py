@@ -7,11 +7,28 @@ where the host decides where windows end: `HostCounts`); `Counters` is one
 read of them on the host.
 """
 
-import collections
 import dataclasses
+import typing
 
-Window = collections.namedtuple("Window", ["micro_batches", "samples"])
-Window.__doc__ = """What an accumulation window held: micro-batches and samples."""
+
+class Window(typing.NamedTuple):
+    """What an accumulation window held (a tuple: `micro_batches, samples`).
+
+    Attributes:
+        micro_batches: The micro-batches summed into it.
+        samples: Their samples, over every replica and device.
+
+    Example:
+
+    ```python
+    window = hook.flush()  # Window(micro_batches=3, samples=24)
+    if window.micro_batches:
+        print(f"applied {window.samples} samples")
+    ```
+    """
+
+    micro_batches: int
+    samples: int
 
 # The counts a hook keeps. The `window_*` ones describe the open window and
 # go back to zero when it ends; the others count since the hook was installed.
