@@ -64,10 +64,15 @@ elif config.get("source") == "tf.data":
 
     data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2, b)).batch(
         batch_size)}
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                          keras.layers.Dropout(config.get("dropout", 0.25)), keras.layers.Dense(1)])
+layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+if config.get("batch_norm"):  # moving statistics: non-trainable variables in the backup
+    layers.append(keras.layers.BatchNormalization())
+model = keras.Sequential(layers + [keras.layers.Dropout(config.get("dropout", 0.25)),
+                                   keras.layers.Dense(1)])
 schedule = keras.optimizers.schedules.CosineDecay(0.01, decay_steps=40)
-model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse", metrics=["mae"])
+# EMA: the optimizer's averages, updated once per window, in the backup too.
+optimizer = keras.optimizers.Adam(schedule, use_ema=bool(config.get("ema")))
+model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
 accumulation = tfaccum.GradientAccumulationCallback(
     accumulation_steps=config.get("steps", 3), leftover=config.get("leftover", "flush"),
     noise_scale=config.get("noise_scale"), log_dir=config.get("log_dir"))

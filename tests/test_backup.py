@@ -136,9 +136,10 @@ def test_killed_at_random_micro_batches_resumes_exactly(tmp_path):
 
 @pytest.mark.keras3  # tf_keras is refused (the last test)
 def test_killed_during_a_backup_and_during_a_flush_resumes_exactly(tmp_path):
-    # `carry`: the window a backup holds at an epoch's end spans epochs.
+    # `carry`: the window a backup holds at an epoch's end spans epochs. The
+    # optimizer's EMA and batch normalization's moving statistics go with it.
     chain(tmp_path, 1, [("save", 6), ("flush", 4), ("batch", None)], leftover="carry",
-          save_freq=2)
+          save_freq=2, ema=True, batch_norm=True)
 
 
 @pytest.mark.keras3  # tf_keras is refused (the last test)
