@@ -5,8 +5,6 @@ Apart from test_examples.py so that the two slowest files run side by side.
 
 import re
 
-import pytest
-
 from test_examples import dashboard_runs
 from test_examples import run
 from reference import not_on_torch
