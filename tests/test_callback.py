@@ -1,5 +1,6 @@
 """GradientAccumulationCallback against the large-batch reference."""
 
+import inspect
 import re
 
 import numpy as np
@@ -323,6 +324,10 @@ def test_options_are_keyword_only():
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: "
                                         "'accumulation_steps'"):
         GradientAccumulationCallback()
+    # `help()` and `inspect` show the keywords, not `__new__`'s catch-all.
+    shown = str(inspect.signature(GradientAccumulationCallback))
+    assert shown.startswith("(*, accumulation_steps: 'int | dict[int, int]"), shown
+    assert "accumulator_dtype: 'str' = 'float32')" in shown, shown
 
 
 def test_the_epoch_summary_starts_a_line_of_its_own(capsys):

@@ -341,7 +341,7 @@ class GradientAccumulationCallback(_keras.Callback):
 
 # `__new__` takes anything, to name a positional or misspelt argument first;
 # `help()` and `inspect` show `__init__`'s keywords.
-GradientAccumulationCallback.__signature__ = inspect.signature(
-    GradientAccumulationCallback.__init__).replace(
-        parameters=list(inspect.signature(GradientAccumulationCallback.__init__)
-                        .parameters.values())[1:])
+_init = inspect.signature(GradientAccumulationCallback.__init__)
+GradientAccumulationCallback.__signature__ = _init.replace(
+    parameters=list(_init.parameters.values())[1:])  # without `self`
+del _init
