@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # fixtures keeps its tests in one (its `xdist_group`).
 XDIST ?= -n 2 --dist loadgroup
 
-.PHONY: test test-oldest fuzz demo docs benchmark benchmarks proto clean
+.PHONY: test test-oldest test-next fuzz demo docs benchmark benchmarks proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,36 @@ test-oldest: $(OLDEST_VENV)/.installed
 	TF_USE_LEGACY_KERAS=1 $(OLDEST_VENV)/bin/python -m pytest $(XDIST) -m "not keras3 and not once" \
 		tests/test_hook.py $(PYTEST_ARGS)
 
+# Keras' next release, before it is out: its pre-release (the `keras-nightly`
+# distribution, installed without its dependencies over the test extra's Keras)
+# and keras_hub's to match, pinned here only (tfaccum/_keras/private.py's
+# NEWEST_TESTED names the same; tests/test_structure.py checks it). NEXT_TESTS
+# reads every private name each adapter reads at least once, on each backend;
+# `make test-next NEXT_TESTS=tests` runs the whole suite there.
+NEXT_KERAS := 3.16.0.dev2026102704
+NEXT_KERAS_HUB := 0.33.0.dev202610250352
+NEXT_VENV := .venv-next
+NEXT_TESTS ?= tests/test_hook.py tests/test_window.py tests/test_items.py \
+	tests/test_gradient_cache.py tests/test_structure.py
+NEXT_TF_TESTS ?= tests/test_distribution.py tests/test_layers.py
+NEXT_TF_KERAS_TESTS ?= tests/test_hook.py
+
+$(NEXT_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEXT_VENV)/bin/python -m pip install -qq -e '.[test]' --config-settings editable_mode=compat
+	$(NEXT_VENV)/bin/python -m pip uninstall -qq -y keras keras-hub
+	$(NEXT_VENV)/bin/python -m pip install -qq --no-deps keras-nightly==$(NEXT_KERAS) \
+		keras-hub-nightly==$(NEXT_KERAS_HUB)
+	touch $@
+
+test-next: $(NEXT_VENV)/.installed
+	$(NEXT_VENV)/bin/python -m pytest $(XDIST) $(NEXT_TESTS) $(NEXT_TF_TESTS) $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(NEXT_VENV)/bin/python -m pytest $(XDIST) -m "not keras3 and not once" \
+		$(NEXT_TF_KERAS_TESTS) $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(NEXT_VENV)/bin/python -m pytest $(XDIST) $(NEXT_TESTS) $(PYTEST_ARGS)
+	KERAS_BACKEND=torch $(NEXT_VENV)/bin/python -m pytest $(XDIST) $(NEXT_TESTS) $(PYTEST_ARGS)
+
 # Differential fuzzing at length: random cases (the suite runs a fixed set of
 # 25), tfaccum against plain Keras at the large batch. FUZZ_SEED repeats a run.
 FUZZ_EXAMPLES ?= 300
@@ -96,4 +126,4 @@ proto:
 	.venv-proto/bin/python -m grpc_tools.protoc -Itfaccum --python_out=tfaccum tfaccum/accumulation.proto
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .venv-proto runs .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEXT_VENV) .venv-proto runs .pytest_cache

@@ -258,9 +258,10 @@ def main():
 
 
 def _version(name):
-    import importlib.metadata
+    """The module's own version (Keras' pre-release is the `keras-nightly` distribution)."""
+    import importlib
 
-    return importlib.metadata.version(name)
+    return importlib.import_module(name).__version__
 
 
 if __name__ == "__main__":

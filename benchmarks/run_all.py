@@ -152,10 +152,12 @@ def versions():
     """The installed versions of the libraries the benchmarks import, e.g. `keras 3.15.1`."""
     found = []
     for name in LIBRARIES:
-        try:
-            found.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
+        for distribution in (name, f"{name}-nightly"):  # a pre-release: `keras-nightly`
+            try:
+                found.append(f"{name} {importlib.metadata.version(distribution)}")
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
     return ", ".join([f"Python {platform.python_version()}", *found])
 
 

@@ -343,6 +343,11 @@ def train_large_batches(model, x, y, updates, sample_weight=None, class_weight=N
         # tf_keras' `train_on_batch` would pull that many batches from one.
         steps_per_execution.assign(1)
         model.train_function = None
+    elif BACKEND == "jax" and getattr(model, "steps_per_execution", 1) > 1:
+        # Keras 3.16's JAX `train_on_batch` takes its one batch for a stack of
+        # `steps_per_execution` batches (and slices it along the samples).
+        model.steps_per_execution = 1
+        model.train_function = None
     if model.built:
         # Made now rather than in the first trace, which then happens once
         # (a step that makes variables traces twice); nothing else changes.

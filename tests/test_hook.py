@@ -17,12 +17,13 @@ from tfaccum.patching import HOOK_ATTRIBUTE
 from tfaccum.observing import WindowObserver
 
 
-def linear_model():
+def linear_model(**compile_kwargs):
     """w * x with w = 0 and loss mean(y_pred): a micro-batch's gradient is mean(x)."""
     model = keras.Sequential(
         [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
     )
-    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y_true, y_pred: y_pred)
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y_true, y_pred: y_pred,
+                  **compile_kwargs)
     return model
 
 
@@ -51,6 +52,19 @@ def test_reductions_by_hand(reduction, expected_gradient):
     # Weights do not move until the window is full; then w = 0 - 1.0 * gradient.
     assert kernels[:3] == [0.0, 0.0, 0.0]
     assert kernels[3] == pytest.approx(-expected_gradient, rel=1e-6)
+    assert hook.micro_steps == 4 and hook.optimizer_steps == 1
+    hook.remove()
+
+
+@pytest.mark.keras3  # tf_keras' `train_on_batch` pulls `steps_per_execution` batches
+def test_by_hand_under_steps_per_execution_each_train_on_batch_is_one_micro_batch():
+    # Keras 3.16's JAX `fit` stacks `steps_per_execution` batches into one;
+    # its `train_on_batch` still hands over one plain batch.
+    model = linear_model(steps_per_execution=2)
+    hook = install_accumulation_hook(model, accumulation_steps=4)
+    kernels = train_on(model, MICRO_BATCHES)
+    assert kernels[:3] == [0.0, 0.0, 0.0]
+    assert kernels[3] == pytest.approx(-(2 * 1 + 2 * 2 + 2 * 3 + 1 * 4) / 7, rel=1e-6)
     assert hook.micro_steps == 4 and hook.optimizer_steps == 1
     hook.remove()
 

@@ -9,6 +9,7 @@ an optimizer (a GAN's two, or one made lazily by the step).
 """
 
 import dataclasses
+import re
 import sys
 import warnings
 
@@ -323,3 +324,65 @@ def test_a_backend_tfaccum_does_not_serve_is_refused_by_name(monkeypatch):
         tfaccum.GradientAccumulationCallback(accumulation_steps=2)
     with pytest.raises(ValueError, match=r"'openvino' backend"):
         tfaccum.install_accumulation_hook(make_model(), accumulation_steps=2)
+
+
+# -- a Keras without a private name tfaccum reads, a Keras newer than the newest tested --------
+
+
+def test_a_keras_without_a_private_name_tfaccum_reads_is_refused_at_the_first_fit(monkeypatch):
+    from tfaccum._keras import private
+
+    where = "keras.src.backend.jax.trainer.Trainer"
+    monkeypatch.setattr(private, "_missing", {where: ("Trainer", "JAXTrainer")})
+    x, y = make_data(n=16)
+    refused, never = make_model(), make_model()
+    with pytest.raises(private.KerasNotServedError, match=(
+            rf"does not have: {re.escape(where)}\. Installed: Keras "
+            rf"{re.escape(keras_3_version())}; tfaccum was tested up to Keras "
+            rf"{re.escape(private.NEWEST_TESTED)}.*pip install 'keras==")):
+        refused.fit(x, y, batch_size=4, verbose=0, shuffle=False,
+                    callbacks=[tfaccum.GradientAccumulationCallback(**ACCUMULATE)])
+    monkeypatch.setattr(private, "_missing", {})
+    _plain_fit(refused, x, y)
+    _plain_fit(never, x, y)
+    assert tfaccum.AccumulationHook.installed_on(refused) is None
+    for ours, theirs in zip(refused.get_weights(), never.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-7)
+
+
+def test_a_name_no_candidate_gives_is_recorded_and_raises_when_used(monkeypatch):
+    from tfaccum._keras import private
+
+    monkeypatch.setattr(private, "_missing", {})
+    missing = private.module_attribute("keras.src.backend", "NoSuchTrainer", "NorThis")
+    assert not missing and list(private._missing) == ["keras.src.backend.NoSuchTrainer"]
+    with pytest.raises(private.KerasNotServedError, match=r"keras.src.backend.NoSuchTrainer"):
+        missing()
+    with pytest.raises(private.KerasNotServedError):
+        private.check()
+    assert private.module_attribute("keras.src.backend", "NoSuchTrainer", "backend") is (
+        sys.modules["keras.src.backend"].backend)  # the first candidate this Keras has
+    assert private.optional_attribute("keras.src.no_such_module", "Thing") is None
+
+
+def test_a_keras_newer_than_the_newest_tested_warns_once_and_trains(monkeypatch):
+    from tfaccum._keras import private
+
+    monkeypatch.setattr(private, "NEWEST_TESTED", "3.0.0")
+    monkeypatch.setattr(private, "_warned", [])
+    x, y = make_data(n=16)
+    model = make_model()
+    with pytest.warns(UserWarning) as record:
+        for _ in range(2):
+            model.fit(x, y, batch_size=4, verbose=0, shuffle=False,
+                      callbacks=[tfaccum.GradientAccumulationCallback(**ACCUMULATE)])
+    said = [str(w.message) for w in record if "tested up to Keras 3.0.0" in str(w.message)]
+    assert len(said) == 1, said
+    assert f"Keras {keras_3_version()} is newer" in said[0] and "report it" in said[0]
+    assert int(np.asarray(model.optimizer.iterations)) == 4  # 2 fits x 2 windows
+
+
+def keras_3_version():
+    import keras as keras_3
+
+    return keras_3.__version__

@@ -178,9 +178,12 @@ def test_keras3_multi_worker_workaround_is_opt_in_and_guarded(monkeypatch):
     assert trainer.reduce_per_replica is not original
     tfaccum.disable_keras3_multi_worker()
     assert trainer.reduce_per_replica is original
+    # A Keras whose trainer lost what the workaround replaces is refused by
+    # name (the version alone decides nothing).
     monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.delattr(trainer, "_collective_all_reduce_multi_worker")
     with pytest.raises(RuntimeError, match=(
-            r"works around two bugs of Keras 3.7-3.15's TensorFlow trainer .* "
-            r"does not know this version. Received: Keras 3.99.0")):
+            r"works around two bugs of Keras 3's TensorFlow trainer .* lacks what it "
+            r"replaces: _collective_all_reduce_multi_worker. Received: Keras 3.99.0")):
         tfaccum.enable_keras3_multi_worker()
     assert trainer.reduce_per_replica is original

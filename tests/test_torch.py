@@ -61,6 +61,28 @@ def test_what_torch_does_not_serve_is_refused_by_name(case, monkeypatch):
     refused_then_plain(build, x, y, "PyTorch backend does not serve .*" + match)
 
 
+def test_several_processes_are_refused_by_name_before_anything_changes(monkeypatch):
+    """Under an initialized `torch.distributed` (here one gloo process on
+    127.0.0.1) Keras 3.15 trains each process apart and 3.16 wraps the model
+    in DistributedDataParallel, which all-reduces every micro-batch: refused."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        x, y = make_data(n=32)
+        refused_then_plain(lambda: make_model(optimizer="adam"), x, y,
+                           r"PyTorch backend does not serve several processes "
+                           r"\(torch.distributed is initialized: world size 1, backend 'gloo'\)")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_observer_of_no_backend_is_refused_by_name():
     model = make_model(optimizer="adam")
     before = [w.copy() for w in model.get_weights()]

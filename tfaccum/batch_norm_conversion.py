@@ -71,7 +71,7 @@ def convert_batch_norm(model, in_place: bool = False, verbose: int = 1):
             converted += 1
     if in_place and converted:
         # Keras traces the train, test and predict functions again at their next
-        # use (private: the `*_function` attributes, Keras 3.5-3.15, tf_keras).
+        # use (private: the `*_function` attributes, Keras 3.5-3.16, tf_keras).
         target.train_function = target.test_function = target.predict_function = None
     if verbose:
         _keras.print_msg(f"Converted {converted} BatchNormalization layer"

@@ -19,9 +19,12 @@ only be a `tf_keras` model once its user has imported it.
 Every private Keras or TensorFlow attribute tfaccum uses is read or written
 here or in a backend's `_keras` package, and nowhere else; each says which versions it was checked on. "Checked"
 means read in the sources and exercised by the test suite, which CI runs on
-the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21) and, as a
+the newest pair (TensorFlow 2.21, Keras 3.15.1, tf_keras 2.21), on Keras'
+next pre-release (`make test-next`, `private.NEWEST_TESTED`) and, as a
 smoke subset, on the oldest supported one (TensorFlow 2.16.2, Keras 3.7.0,
-tf_keras 2.16.0).
+tf_keras 2.16.0). `private` decides once, at import, by what the installed
+Keras has, where versions differ, and makes a missing name an error at the
+first `fit` (`KerasNotServedError`).
 """
 
 from tfaccum._keras.api import (  # noqa: F401

@@ -28,7 +28,7 @@ def loss_inputs(model):
     """While a step traces, what the compiled losses average over:
     `{"items": int tensor or None, "outputs": [CountedOutput]}`.
 
-    Each compiled loss (`_flat_losses`, Keras 3.7-3.15) is wrapped while
+    Each compiled loss (`_flat_losses`, Keras 3.7-3.16) is wrapped while
     `compute_loss` runs: it computes what it did and records its value and
     count in `outputs`. Where a Keras mask rides on its output or it has an
     `ignore_class`, Keras divides the loss by the elements left
@@ -101,7 +101,7 @@ class _CountedLoss:
 def ignore_class(loss):
     """A compiled loss's `ignore_class`, or `None`: Keras' own losses' attribute, or
     what a function's wrapper passes it (private: `LossFunctionWrapper._fn_kwargs`,
-    Keras 3.7-3.15). Not `get_config()`: a wrapped `functools.partial` or lambda
+    Keras 3.7-3.16). Not `get_config()`: a wrapped `functools.partial` or lambda
     cannot be serialised."""
     found = getattr(loss, "ignore_class", None)
     return found if found is not None else (getattr(loss, "_fn_kwargs", None) or {}).get(
@@ -110,7 +110,7 @@ def ignore_class(loss):
 
 def keras_mask(tensor):
     """The Keras mask riding on a traced output, or `None` (private:
-    `keras.src.backend.common.masking.get_keras_mask`, Keras 3.7-3.15)."""
+    `keras.src.backend.common.masking.get_keras_mask`, Keras 3.7-3.16)."""
     from keras.src.backend.common.masking import get_keras_mask
 
     return get_keras_mask(tensor)

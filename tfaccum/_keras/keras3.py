@@ -45,7 +45,7 @@ class Keras3:
     @staticmethod
     def loss_container(model):
         """The object holding the compiled losses (`Trainer._compile_loss`, a
-        `CompileLoss`, private, 3.7-3.15), or `None`. Built (its losses resolved
+        `CompileLoss`, private, 3.7-3.16), or `None`. Built (its losses resolved
         per output) before `fit`'s first step on JAX and under a TensorFlow
         strategy, else while the first step traces."""
         return getattr(model, "_compile_loss", None)
@@ -54,7 +54,7 @@ class Keras3:
     @staticmethod
     def has_compiled_metrics(model):
         """Whether `compile` was given `metrics=` or `weighted_metrics=`
-        (`Trainer._compile_metrics`, private, 3.7-3.15)."""
+        (`Trainer._compile_metrics`, private, 3.7-3.16)."""
         return metrics_given(getattr(model, "_compile_metrics", None))
 
 
@@ -67,5 +67,5 @@ class Keras3:
     @staticmethod
     def regularized_weights(model):
         """Names of the trainable weights that carry a weight regularizer
-        (`Variable.regularizer`, public, 3.7-3.15)."""
+        (`Variable.regularizer`, public, 3.7-3.16)."""
         return regularized_variables(model)

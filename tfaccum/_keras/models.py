@@ -60,7 +60,7 @@ def is_model(value):
 def optimizer_variables(optimizer):
     """The variables a built optimizer tracks, for `apply(grads)` without them.
 
-    Private: `Optimizer._trainable_variables` (Keras 3.5-3.15).
+    Private: `Optimizer._trainable_variables` (Keras 3.5-3.16).
     """
     return optimizer._trainable_variables
 
@@ -87,7 +87,7 @@ def fit_arguments(model):
 
     The `fit` frame's locals, as `fit_is_running` finds it: a callback sees
     neither the data nor `shuffle`. Their names are Keras' public signature
-    (`x`, `shuffle`, `steps_per_epoch`; Keras 3.7-3.15).
+    (`x`, `shuffle`, `steps_per_epoch`; Keras 3.7-3.16).
     """
     frame = inspect.currentframe()
     try:
@@ -112,7 +112,7 @@ def variable_numpy(variable):
 def build_compiled_metrics(model, data):
     """Makes the compiled metrics' variables, as the first step would, from a
     batch `data` (`Trainer._symbolic_build(data_batch=)`, private, Keras
-    3.7-3.15; TensorFlow on one device makes them while its first step
+    3.7-3.16; TensorFlow on one device makes them while its first step
     traces, the other backends before `fit`'s first step)."""
     model._symbolic_build(data_batch=data)
 
@@ -120,7 +120,7 @@ def build_compiled_metrics(model, data):
 def resume_at_epoch(model, epoch):
     """Makes the running `fit` start at `epoch` (as Keras' `BackupAndRestore`
     does: `Trainer._initial_epoch`, private, read once `on_train_begin` ran;
-    Keras 3.7-3.15)."""
+    Keras 3.7-3.16)."""
     model._initial_epoch = epoch
 
 
@@ -130,7 +130,7 @@ def fit_callback_list(callback):
     Called from a callback's `on_train_begin`: walks up the frames to the
     `CallbackList` (Keras 3's or tf_keras') calling it. Neither Keras gives a
     callback its siblings; the list and its `callbacks` attribute are public
-    (Keras 3.7-3.15, tf_keras 2.16-2.21).
+    (Keras 3.7-3.16, tf_keras 2.16-2.21).
     """
     classes = [keras.callbacks.CallbackList]
     tf_keras = sys.modules.get("tf_keras")
@@ -169,7 +169,7 @@ def overriding_class(model, base, method):
 def flatten_layers(model):
     """Every layer nested in `model`, at any depth (not `model` itself).
 
-    Private: `Layer._flatten_layers` (Keras 3.5-3.15, tf_keras 2.16-2.21).
+    Private: `Layer._flatten_layers` (Keras 3.5-3.16, tf_keras 2.16-2.21).
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
 
@@ -199,7 +199,7 @@ def scales_loss_dynamically(optimizer):
 def metrics_given(container):
     """Whether a compiled metrics container kept non-empty `metrics=` or
     `weighted_metrics=` (`_user_metrics`, `_user_weighted_metrics`: private,
-    Keras 3.7-3.15 and tf_keras 2.16-2.21)."""
+    Keras 3.7-3.16 and tf_keras 2.16-2.21)."""
     if container is None:
         return False
     return any(_holds_something(getattr(container, name, None))
@@ -235,7 +235,7 @@ def compiled_losses_of(container):
     """`[(output name, loss)]` of a built container, else `None`.
 
     Private: `CompileLoss._flat_losses`, namedtuples `(path, loss,
-    loss_weights, name)` (Keras 3.7-3.15); `LossesContainer._losses` and
+    loss_weights, name)` (Keras 3.7-3.16); `LossesContainer._losses` and
     `_output_names`, `_built` (tf_keras 2.16-2.21; `None` for an output
     without a loss).
     """
@@ -269,3 +269,47 @@ def wrapped_losses_patch(container, wrap):
         None if loss is None else wrap(name, loss, weight)
         for name, loss, weight in zip(names, container._losses, weights)
     ]
+
+
+def batch_norm_moments(layer, inputs, mask):
+    """Per-batch mean and variance, as `BatchNormalization` computes them.
+
+    Private: `BatchNormalization._moments(inputs, mask)` (Keras 3.5-3.16).
+    """
+    return layer._moments(inputs, mask)
+
+
+def batch_norm_reduction_axes(layer):
+    """The axes `BatchNormalization` reduces over (set when it is built).
+
+    Private: `BatchNormalization._reduction_axes` (Keras 3.5-3.16).
+    """
+    return layer._reduction_axes
+
+
+def training_arguments(model):
+    """`{"training": True}` where the model's `call` takes it, as Keras' own step
+    passes it (`{}` where it does not).
+
+    Private: `Layer._call_has_training_arg` (Keras 3.7-3.16, tf_keras 2.16-2.21).
+    """
+    return {"training": True} if getattr(model, "_call_has_training_arg", True) else {}
+
+
+def compiled_loss(model, y, y_pred, sample_weight, x=None):
+    """The compiled loss, as Keras 3's `train_step` computes it (under a strategy
+    divided by the replicas; no metric updated).
+
+    Private: `Trainer._compute_loss` (Keras 3.7-3.16).
+    """
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=True)
+
+
+def track_loss(model, loss, samples):
+    """Adds `loss` to the logs' `loss`, weighted by `samples`, as Keras 3's own step
+    updates its tracker.
+
+    Private: `Trainer._loss_tracker` (Keras 3.7-3.16).
+    """
+    model._loss_tracker.update_state(loss, sample_weight=samples)

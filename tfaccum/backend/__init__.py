@@ -14,6 +14,7 @@ import abc
 import importlib
 
 from tfaccum import _keras
+from tfaccum._keras import private
 from tfaccum.noise_scale import NoiseScaleEstimator
 
 
@@ -91,4 +92,6 @@ class Backend(abc.ABC):
 def for_model(model):
     """The `Backend` that serves `model`, or a clear error naming its backend."""
     _keras.check_backend(model)
-    return importlib.import_module(f"tfaccum.backend.{_keras.api_for(model).backend()}").BACKEND
+    backend = importlib.import_module(f"tfaccum.backend.{_keras.api_for(model).backend()}").BACKEND
+    private.check()  # the backend's adapters have looked up what they read of Keras
+    return backend

@@ -1,4 +1,4 @@
-"""Keras 3's JAX trainer, as the JAX backend reads it (checked on Keras 3.7-3.15).
+"""Keras 3's JAX trainer, as the JAX backend reads it (checked on Keras 3.7-3.16).
 
 The JAX trainer runs `fit` on a state of plain arrays, `(trainable,
 non-trainable, optimizer, metrics variables)`, passed through
@@ -11,7 +11,42 @@ epoch ends (`jax_state_sync()`), or when a callback asks for it.
 import keras
 
 from tfaccum._keras import models
+from tfaccum._keras import private
 from tfaccum._keras.models import flatten_layers
+
+# Keras' JAX trainer class: `Trainer` from 3.16, `JAXTrainer` in 3.7-3.15.
+TRAINER = private.module_attribute("keras.src.backend.jax.trainer", "Trainer", "JAXTrainer")
+# From 3.16, a `train_function` with `steps_per_execution > 1` is handed one
+# "super batch" (its batches stacked along a new first axis), or the list of
+# an epoch's last, fewer ones; in 3.7-3.15 it pulls each batch itself.
+PARTIAL_BATCHES = private.optional_attribute(
+    "keras.src.trainers.data_adapters.data_adapter_utils", "PartialBatchList")
+
+
+STACKS_EXECUTIONS = PARTIAL_BATCHES is not None
+
+
+def execution_batches(iterator, steps_per_execution, one_batch=False):
+    """The micro-batches of one `train_function(state, iterator)` call, one by
+    one (a generator: it ends where the data does); `one_batch`: the call is
+    `train_on_batch`'s, whose iterator holds one plain batch on every Keras."""
+    if not STACKS_EXECUTIONS or steps_per_execution == 1 or one_batch:
+        for _ in range(steps_per_execution):
+            try:
+                yield next(iterator)
+            except StopIteration:
+                return
+        return
+    try:
+        data = next(iterator)
+    except StopIteration:
+        return
+    if isinstance(data, PARTIAL_BATCHES):
+        yield from data
+        return
+    steps = int(next(leaf for leaf in keras.tree.flatten(data) if leaf is not None).shape[0])
+    for i in range(steps):
+        yield keras.tree.map_structure(lambda leaf: None if leaf is None else leaf[i], data)
 
 
 def gradient_and_outputs(model, state, data, staging=None, apart=None):
@@ -90,7 +125,7 @@ def gradient_and_outputs(model, state, data, staging=None, apart=None):
 
 def update_metrics(model, metrics, loss, data, y_pred):
     """Keras' logs of a step and its new metrics variables (private:
-    `JAXTrainer._update_metrics_variables`, Keras 3.7-3.15)."""
+    the JAX trainer's `_update_metrics_variables`, Keras 3.7-3.16)."""
     x, y, sample_weight = data
     return model._update_metrics_variables(metrics, loss, x, y, y_pred, sample_weight)
 
@@ -104,7 +139,7 @@ def state_of(model):
 
 def sync(model):
     """Writes a running `fit`'s state back into the model's variables, so that
-    the next step reads them (public: `JAXTrainer.jax_state_sync()`)."""
+    the next step reads them (public: the JAX trainer's `jax_state_sync()`)."""
     model.jax_state_sync()
 
 
@@ -112,7 +147,7 @@ def publish(model, state):
     """Makes `state` the one `fit` writes back into the variables if it stops now.
 
     Keras' JAX `fit` writes its last step's state (private: `_jax_state`,
-    Keras 3.7-3.15) into the variables in its `finally`; between a step that
+    Keras 3.7-3.16) into the variables in its `finally`; between a step that
     donated the state and Keras' own assignment of its outputs, an interrupt
     would have it write deleted arrays. The hook publishes each completed
     step's state itself, and the state it was given before any step runs.
@@ -147,7 +182,7 @@ def restore(model, state):
     """Gives the model's variables the values of `state` again, for good.
 
     The trainer empties them while a step holds the state (private:
-    `JAXTrainer._purge_model_variables`, Keras 3.7-3.15); a step that fails
+    the JAX trainer's `_purge_model_variables`, Keras 3.7-3.16); a step that fails
     before it returns a state would otherwise leave them empty, or `fit`'s
     end would write back the state of the batch before, whose arrays the
     failed step was given (private: `_jax_state_synced`, the same versions).
@@ -220,17 +255,8 @@ def toolkit_layers(model):
 
 
 def own_train_step(model):
-    """The class that overrides Keras' JAX `train_step`, or `None` (private:
-    `keras.src.backend.jax.trainer.JAXTrainer`, Keras 3.7-3.15)."""
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    return models.overriding_class(model, JAXTrainer, "train_step")
-
-
-def training_arguments(model):
-    """`{"training": True}` where the model's `call` takes it, as Keras' JAX
-    trainer passes it (private: `Layer._call_has_training_arg`, Keras 3.7-3.15)."""
-    return {"training": True} if model._call_has_training_arg else {}
+    """The class that overrides Keras' JAX `train_step`, or `None` (`TRAINER`)."""
+    return models.overriding_class(model, TRAINER, "train_step")
 
 
 def metrics_logs(model, metrics):

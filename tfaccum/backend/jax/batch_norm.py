@@ -22,7 +22,8 @@ from keras import ops
 
 from tfaccum import moment_pooling
 from tfaccum.batch_norm_conversion import saved_as
-from tfaccum._keras.models import flatten_layers
+from tfaccum._keras.models import (
+    batch_norm_moments, batch_norm_reduction_axes, flatten_layers)
 from tfaccum.observing import WindowObserver
 
 _staged = threading.local()  # the list the step being traced collects moments in
@@ -73,10 +74,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         # BatchNormalization's training branch, the moving statistics left to
         # the window's end.
         inputs = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        mean, variance = self._moments(inputs, mask)  # private: Keras 3.7-3.15
+        mean, variance = batch_norm_moments(self, inputs, mask)
         if mask is None:
             count = 1.0
-            for axis in self._reduction_axes:  # private, likewise
+            for axis in batch_norm_reduction_axes(self):
                 count *= inputs.shape[axis]
         else:
             count = ops.sum(ops.cast(mask, "float32"))

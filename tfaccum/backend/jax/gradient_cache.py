@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from tfaccum._keras import counted_losses
+from tfaccum._keras import models
 from tfaccum import window_losses
 from tfaccum._keras import Keras3
 from tfaccum._keras.models import computes_loss_as_keras
@@ -94,7 +95,7 @@ class CachedWindow:
     def _forward_pass(self, trainable, non_trainable, x):
         y_pred, new, losses = self.model.stateless_call(
             trainable, non_trainable, x, return_losses=True,
-            **_keras_on_jax.training_arguments(self.model))
+            **models.training_arguments(self.model))
         # Read while it traces: what only the trace shows.
         self._changed = [i for i, (a, b) in enumerate(zip(new, non_trainable)) if a is not b]
         self._losses = len(losses)
@@ -127,7 +128,7 @@ class CachedWindow:
 
         def outputs(trainable):
             y_pred, _ = model.stateless_call(trainable, non_trainable, x,
-                                             **_keras_on_jax.training_arguments(model))
+                                             **models.training_arguments(model))
             return y_pred
 
         y_pred, pullback = jax.vjp(outputs, trainable)

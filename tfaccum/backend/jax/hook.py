@@ -135,15 +135,15 @@ class AccumulationHook(HookFront):
         so that it never leaves the variables with deleted arrays.
         """
         _keras_on_jax.publish(self.model, state)  # before anything is donated
+        batches = _keras_on_jax.execution_batches(
+            iterator, self.model.steps_per_execution, self.installation.one_batch)
         if self.windows.serves():
-            return self.windows.execution(state, iterator)
-        logs, state = self._interruptible_step(state, next(iterator))
-        for _ in range(self.model.steps_per_execution - 1):
-            try:
-                data = next(iterator)
-            except StopIteration:
-                break
+            return self.windows.execution(state, batches)
+        logs = None
+        for data in batches:
             logs, state = self._interruptible_step(state, data)
+        if logs is None:
+            raise StopIteration  # the data ended: Keras' own train function says so
         return logs, state
 
     def _interruptible_step(self, state, data, step=None):

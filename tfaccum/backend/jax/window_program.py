@@ -47,16 +47,17 @@ class WindowProgram:
                 and hook.devices.shares == 1 and not self.steps.says_counts
                 and not hook.observers and hook.cached is None)
 
-    def execution(self, state, iterator):
-        """`steps_per_execution` micro-batches, a window at a time; a window the
-        data ends inside, or of micro-batches of different shapes, one by one."""
+    def execution(self, state, batches):
+        """`steps_per_execution` micro-batches (`batches`, an iterator), a window at a
+        time; a window the data ends inside, or of micro-batches of different
+        shapes, one by one."""
         hook, length = self.hook, self.hook.accumulation_steps
         logs = None
         for _ in range(hook.model.steps_per_execution // length):
             batch = []
             for _ in range(length):
                 try:
-                    batch.append(next(iterator))
+                    batch.append(next(batches))
                 except StopIteration:
                     break
             if not batch:

@@ -2,7 +2,7 @@
 
 Keras 3's own `fit` fails across workers before any accumulation happens
 (keras-team/keras#20585, tensorflow/tensorflow#72388), for two reasons in its
-TensorFlow trainer (Keras 3.7-3.15):
+TensorFlow trainer (Keras 3.7-3.16, read in each):
 
 1. `_maybe_symbolic_build` hands a nested structure of `PerReplica` batches to
    `strategy.reduce`, which cannot take one across workers ("Attempt to
@@ -15,21 +15,13 @@ TensorFlow trainer (Keras 3.7-3.15):
 `enable_keras3_multi_worker()` replaces those two, only where several
 workers are involved (one machine's strategies keep Keras' code), and
 `disable_keras3_multi_worker()` puts Keras' back. Private Keras code is
-patched: it refuses Keras versions it was not written for, and is to be
+patched: it refuses a Keras that lacks what it replaces, and is to be
 removed once Keras fixes those bugs.
 """
 
 import keras
 
 from tfaccum.backend.tensorflow import _keras_on_tf
-
-# Keras versions whose TensorFlow trainer has the two bugs, as read.
-KNOWN_VERSIONS = ((3, 7), (3, 15))
-
-
-def _version(text):
-    return tuple(int(part) for part in text.split(".")[:2])
-
 
 def enable_keras3_multi_worker():
     """Makes Keras 3's `fit` work under `MultiWorkerMirroredStrategy` (opt-in).
@@ -49,20 +41,16 @@ def enable_keras3_multi_worker():
     ```
 
     Raises:
-        RuntimeError: on a Keras version this workaround does not know.
+        RuntimeError: on a Keras that lacks the functions it replaces.
     """
-    version = keras.__version__
-    low, high = KNOWN_VERSIONS
     missing = _keras_on_tf.keras3_multi_worker_patch.missing()
-    if not low <= _version(version) <= high or missing:
+    if missing:
         raise RuntimeError(
-            "enable_keras3_multi_worker() works around two bugs of Keras "
-            f"{low[0]}.{low[1]}-{high[0]}.{high[1]}'s TensorFlow trainer "
-            "(keras-team/keras#20585) and does not know this version. "
-            f"Received: Keras {version}"
-            + (f" (without {', '.join(missing)})" if missing else "")
-            + ". Try Keras' own `fit` first (the bugs may be fixed), or use "
-            "tf_keras for several workers."
+            "enable_keras3_multi_worker() works around two bugs of Keras 3's TensorFlow "
+            "trainer (keras-team/keras#20585, read in Keras 3.7-3.16), but this Keras "
+            f"lacks what it replaces: {', '.join(missing)}. Received: Keras "
+            f"{keras.__version__}. Try Keras' own `fit` first (the bugs may be fixed), or "
+            "use tf_keras for several workers."
         )
     _keras_on_tf.keras3_multi_worker_patch.install()
 

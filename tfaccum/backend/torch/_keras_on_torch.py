@@ -1,4 +1,4 @@
-"""Keras 3's PyTorch trainer, as the PyTorch backend reads it (checked on Keras 3.15).
+"""Keras 3's PyTorch trainer, as the PyTorch backend reads it (checked on Keras 3.15-3.16).
 
 The trainer runs eagerly: `fit` calls `model.train_function(data)` with a
 list of `steps_per_execution` batches, and `train_step` computes the loss,
@@ -8,23 +8,19 @@ calls `backward()` and hands the variables' `.grad` to `optimizer.apply`.
 import keras
 
 from tfaccum._keras import models
+from tfaccum._keras import private
 from tfaccum._keras.models import flatten_layers
+
+# Keras' PyTorch trainer class: `Trainer` from 3.16, `TorchTrainer` in 3.7-3.15.
+TRAINER = private.module_attribute("keras.src.backend.torch.trainer", "Trainer", "TorchTrainer")
 
 
 def forward_and_loss(model, x, y, sample_weight):
     """`(y_pred, loss)` of a training forward pass, as Keras' `train_step` computes
-    them (private: `Layer._call_has_training_arg`, `Trainer._compute_loss`)."""
-    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    them (`models.training_arguments`, `models.compiled_loss`)."""
+    y_pred = model(x, **models.training_arguments(model))
     model.zero_grad()  # no gradient left from the last micro-batch
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                               training=True)
-    return y_pred, loss
-
-
-def track_loss(model, loss, samples):
-    """Keras' logged loss: a mean over micro-batches weighted by their samples
-    (private: `Trainer._loss_tracker`), as its `train_step` keeps it."""
-    model._loss_tracker.update_state(loss, sample_weight=samples)
+    return y_pred, models.compiled_loss(model, y, y_pred, sample_weight, x=x)
 
 
 def gradients(model):
@@ -40,11 +36,8 @@ def release_gradients(model):
 
 
 def own_train_step(model):
-    """The class that overrides Keras' PyTorch `train_step`, or `None` (private:
-    `keras.src.backend.torch.trainer.TorchTrainer`, Keras 3.7-3.15)."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-
-    return models.overriding_class(model, TorchTrainer, "train_step")
+    """The class that overrides Keras' PyTorch `train_step`, or `None` (`TRAINER`)."""
+    return models.overriding_class(model, TRAINER, "train_step")
 
 
 def loss_scale_variables(optimizer):

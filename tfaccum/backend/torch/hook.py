@@ -18,6 +18,7 @@ from tfaccum import checks
 from tfaccum import interrupts
 from tfaccum import items as said_items
 from tfaccum._keras import counted_losses
+from tfaccum._keras import models
 from tfaccum.backend.torch import _keras_on_torch
 from tfaccum.backend.torch import window_backup
 from tfaccum.backend.torch import output_channels
@@ -156,7 +157,7 @@ class AccumulationHook(HookFront):
             y_pred, loss = _keras_on_torch.forward_and_loss(model, x, y, sample_weight)
         said_items.check_said_once(said)
         samples = _keras_on_torch.batch_size(x)
-        _keras_on_torch.track_loss(model, loss, samples)
+        models.track_loss(model, loss, samples)
         averaged_over = ((said[0] if said else seen["items"]) if self.reduction.counts_items
                          else None)
         added = samples if averaged_over is None else read_count(averaged_over)
@@ -315,6 +316,13 @@ def check_served(model, configuration, observers):
     if keras.distribution.distribution() is not None:
         refuse(f"keras.distribution.{type(keras.distribution.distribution()).__name__} "
                "(one device is served)", "Train on one device.")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Keras 3.15 would train each process apart; 3.16 wraps the model in
+        # DistributedDataParallel, which all-reduces every micro-batch.
+        refuse(f"several processes (torch.distributed is initialized: world size "
+               f"{torch.distributed.get_world_size()}, backend "
+               f"{torch.distributed.get_backend()!r})",
+               "Train in one process, without torch.distributed.init_process_group().")
     if window_loss_of(model) is not None:
         refuse("window-wide losses (a loss over the whole window's batch)",
                "Use a per-micro-batch loss.")

@@ -2,13 +2,9 @@
 
 import tensorflow as tf
 
-
-def batch_norm_moments(layer, inputs, mask):
-    """Per-batch mean and variance, as `BatchNormalization` computes them.
-
-    Private: `BatchNormalization._moments(inputs, mask)` (Keras 3.5-3.15).
-    """
-    return layer._moments(inputs, mask)
+# Keras 3's, read alike on every backend.
+from tfaccum._keras.models import batch_norm_moments  # noqa: F401
+from tfaccum._keras.models import batch_norm_reduction_axes  # noqa: F401
 
 
 def tf_keras_training_value(layer, training):
@@ -25,14 +21,6 @@ def tf_keras_batch_norm_moments(layer, inputs, axes, mask):
     Private: `BatchNormalizationBase._moments` and `_param_dtype` (tf_keras 2.16-2.21).
     """
     return layer._moments(tf.cast(inputs, layer._param_dtype), axes, keep_dims=False, mask=mask)
-
-
-def batch_norm_reduction_axes(layer):
-    """The axes `BatchNormalization` reduces over (set when it is built).
-
-    Private: `BatchNormalization._reduction_axes` (Keras 3.5-3.15).
-    """
-    return layer._reduction_axes
 
 
 def batch_norm_renorm(layer):

@@ -1,6 +1,8 @@
 """Gradient caching's view of Keras' step, alike on both versions (the rest:
 `Keras3OnTf`, `TfKeras`)."""
 
+from tfaccum._keras import models
+
 
 def scaled_loss(optimizer, loss):
     """`loss` times the optimizer's loss scale (mixed precision), else `loss`."""
@@ -17,11 +19,6 @@ def metrics_result(model):
 
 
 def training_forward(model, x):
-    """`model(x)` in training mode, as Keras' own step calls it.
-
-    Private: `Layer._call_has_training_arg` (Keras 3.7-3.15, tf_keras
-    2.16-2.21): a model whose `call` takes no `training` is called without.
-    """
-    if getattr(model, "_call_has_training_arg", True):
-        return model(x, training=True)
-    return model(x)
+    """`model(x)` in training mode, as Keras' own step calls it
+    (`tfaccum._keras.models.training_arguments`)."""
+    return model(x, **models.training_arguments(model))

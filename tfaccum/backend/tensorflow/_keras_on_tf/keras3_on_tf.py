@@ -7,6 +7,7 @@ import contextlib
 
 import keras
 
+from tfaccum._keras import models
 from tfaccum._keras.keras3 import Keras3
 from tfaccum._keras.models import flatten_layers
 from tfaccum._keras.models import is_tf_keras_model
@@ -62,7 +63,7 @@ class Keras3OnTf(Keras3):
         Keras 3 clips each replica's gradients before summing them; reduced
         by `all_reduce_sum` first, they are clipped as on one device, and
         cross devices once. Private: `_all_reduce_sum_gradients` of the
-        TensorFlow optimizer (Keras 3.7-3.15).
+        TensorFlow optimizer (Keras 3.7-3.16).
         """
         target = getattr(optimizer, "inner_optimizer", None) or optimizer
         if not hasattr(target, "_all_reduce_sum_gradients"):
@@ -122,7 +123,7 @@ class Keras3OnTf(Keras3):
         1 / replicas: the replicas' gradients are then summed. Releases without
         `scale_loss_for_distribution` (3.7 among those tested) do not divide:
         each replica's mean loss counts whole. Private:
-        `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.15).
+        `keras.src.losses.loss.scale_loss_for_distribution` (Keras 3.8-3.16).
         """
         from keras.src.losses import loss as keras_loss
 
@@ -140,7 +141,7 @@ class Keras3OnTf(Keras3):
         A layer that draws random numbers (`Dropout`, `GaussianNoise`, ...)
         draws them from a `SeedGenerator` whose state moves at every draw: set
         back, a forward pass draws the same masks again. Private:
-        `Layer._seed_generators` and `SeedGenerator.state` (Keras 3.7-3.15).
+        `Layer._seed_generators` and `SeedGenerator.state` (Keras 3.7-3.16).
         """
         states, seen = [], set()
         for layer in [model] + flatten_layers(model):
@@ -159,7 +160,7 @@ class Keras3OnTf(Keras3):
         `keras.random.*` called without a seed draws from it (and moves it):
         set back, a forward pass draws the same numbers again. Call it
         eagerly, so that no step makes it while it traces. Private:
-        `keras.src.random.seed_generator.global_seed_generator` (Keras 3.7-3.15).
+        `keras.src.random.seed_generator.global_seed_generator` (Keras 3.7-3.16).
         """
         from keras.src.random.seed_generator import global_seed_generator
 
@@ -174,15 +175,13 @@ class Keras3OnTf(Keras3):
 
     @staticmethod
     def compiled_loss(model, y, y_pred, sample_weight):
-        """The compiled loss of a whole window: `Trainer._compute_loss` (private,
-        3.7-3.15), which divides by the replicas under a strategy and updates no
-        metric (`track_loss` does)."""
-        return model._compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=True)
+        """The compiled loss of a whole window: `models.compiled_loss` (under a strategy
+        divided by the replicas; no metric updated: `track_loss` does)."""
+        return models.compiled_loss(model, y, y_pred, sample_weight)
 
 
     @staticmethod
     def track_loss(model, loss, samples):
-        """Adds a window's loss to the logs' `loss`, weighted by its samples, as
-        Keras' own step updates its tracker (`Trainer._loss_tracker`, private, 3.7-3.15)."""
-        model._loss_tracker.update_state(loss, sample_weight=samples)
+        """Adds a window's loss to the logs' `loss`, weighted by its samples
+        (`models.track_loss`)."""
+        models.track_loss(model, loss, samples)

@@ -20,7 +20,7 @@ def may_hold_several_losses(model):
     `compile` received: several losses, or one loss (which tf_keras, and
     Keras 3 for some structures, repeat per output) on a model whose outputs
     are several or not known yet. Private: `CompileLoss._user_loss` (Keras
-    3.7-3.15), `LossesContainer._user_losses` (tf_keras 2.16-2.21).
+    3.7-3.16), `LossesContainer._user_losses` (tf_keras 2.16-2.21).
     """
     container = api_for(model).loss_container(model)
     if container is None:
@@ -72,7 +72,7 @@ def loss_divisor(loss, values, mask, sample_weight):
     `values` are the per-element losses `loss.call` returned (they may carry
     a mask of their own, as `ignore_class` does) and `mask` the one `y_pred`
     carried. Under `"sum_over_batch_size"` (and `"mean"`) Keras divides by
-    the number of unmasked elements (`keras.losses.Loss.__call__`, 3.7-3.15).
+    the number of unmasked elements (`keras.losses.Loss.__call__`, 3.7-3.16).
     Returns `(None, False, False)` where it does not divide by a count
     (`"sum"`, `"mean_with_sample_weight"`, no reduction) or `values` is unknown.
     """
@@ -90,7 +90,7 @@ def loss_divisor(loss, values, mask, sample_weight):
     if sample_weight is not None:
         # As `reduce_weighted_values` lines the weights up with the losses.
         # Private: `keras.src.losses.loss.squeeze_or_expand_to_same_rank`
-        # (Keras 3.7-3.15).
+        # (Keras 3.7-3.16).
         from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
         values, weights = squeeze_or_expand_to_same_rank(

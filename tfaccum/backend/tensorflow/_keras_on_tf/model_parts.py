@@ -24,7 +24,7 @@ def trains_with_keras_step(model):
 def compile_config(model):
     """What `model.compile()` was last given, to notice a recompile.
 
-    Private: `Model._compile_config` (Keras 3.5-3.15, tf_keras 2.16-2.21);
+    Private: `Model._compile_config` (Keras 3.5-3.16, tf_keras 2.16-2.21);
     `None` where absent.
     """
     return getattr(model, "_compile_config", None)
@@ -51,7 +51,7 @@ def embedding_tables(model):
 def forget_traced_functions(model):
     """Makes Keras trace `model`'s train/test/predict functions again at their next use.
 
-    Private: the `*_function` attributes `make_*_function` caches (Keras 3.5-3.15).
+    Private: the `*_function` attributes `make_*_function` caches (Keras 3.5-3.16).
     """
     model.train_function = None
     model.test_function = None

@@ -2,14 +2,17 @@
 
 import tensorflow as tf
 
+from tfaccum._keras import models
+
 
 class _Keras3MultiWorkerPatch:
     """Replaces two functions of Keras 3's TensorFlow trainer across workers.
 
     See `tfaccum.backend.tensorflow.multi_worker`. Private: `keras.src.backend.tensorflow.trainer`'s
-    `reduce_per_replica`, `_collective_all_reduce_multi_worker` and
-    `TensorFlowTrainer._maybe_symbolic_build`, `Model._distribute_strategy`
-    and `Model._symbolic_build` (Keras 3.7-3.15), replaced process-wide while
+    `reduce_per_replica`, `_collective_all_reduce_multi_worker` and its
+    trainer class's `_maybe_symbolic_build` (`Trainer` from 3.16,
+    `TensorFlowTrainer` in 3.7-3.15), and `Model._distribute_strategy`
+    (Keras 3.7-3.16), replaced process-wide while
     installed (only where several workers are involved do they act).
     """
 
@@ -17,20 +20,25 @@ class _Keras3MultiWorkerPatch:
         self._originals = {}
 
     @staticmethod
-    def _module():
+    def trainer_module():
         from keras.src.backend.tensorflow import trainer
 
         return trainer
 
+    def _trainer(self):
+        """The trainer class: `Trainer` from 3.16, `TensorFlowTrainer` in 3.7-3.15."""
+        module = self.trainer_module()
+        return getattr(module, "Trainer", None) or getattr(module, "TensorFlowTrainer", None)
+
     def missing(self):
         """The private names this Keras lacks (empty when the patch fits)."""
-        module = self._module()
+        module = self.trainer_module()
         return [
             name
             for name, owner in (
                 ("reduce_per_replica", module),
                 ("_collective_all_reduce_multi_worker", module),
-                ("_maybe_symbolic_build", getattr(module, "TensorFlowTrainer", None)),
+                ("_maybe_symbolic_build", self._trainer()),
             )
             if not hasattr(owner, name)
         ]
@@ -38,8 +46,8 @@ class _Keras3MultiWorkerPatch:
     def install(self):
         if self._originals:
             return
-        module = self._module()
-        trainer = module.TensorFlowTrainer
+        module = self.trainer_module()
+        trainer = self._trainer()
         reduce_per_replica = module.reduce_per_replica
         maybe_symbolic_build = trainer._maybe_symbolic_build
 
@@ -73,7 +81,7 @@ class _Keras3MultiWorkerPatch:
                 )
                 break
             with strategy.scope():
-                model._symbolic_build(data_batch=data_batch)
+                models.build_compiled_metrics(model, data_batch)
 
         self._originals.update(reduce=reduce_per_replica, build=maybe_symbolic_build)
         module.reduce_per_replica = reduce_logs
@@ -82,9 +90,9 @@ class _Keras3MultiWorkerPatch:
     def remove(self):
         if not self._originals:
             return
-        module = self._module()
+        module = self.trainer_module()
         module.reduce_per_replica = self._originals["reduce"]
-        module.TensorFlowTrainer._maybe_symbolic_build = self._originals["build"]
+        self._trainer()._maybe_symbolic_build = self._originals["build"]
         self._originals.clear()
 
 
