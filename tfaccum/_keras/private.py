@@ -68,15 +68,11 @@ def module_attribute(module, *names):
         found = importlib.import_module(module)
     except ImportError:
         found = None
-    return _first(found, module, names)
-
-
-def _first(found, where, names):
     for name in names:
-        if found is not None and hasattr(found, name):
+        if hasattr(found, name):
             return getattr(found, name)
-    _missing[f"{where}.{names[0]}"] = names
-    return Missing(f"{where}.{names[0]}")
+    _missing[f"{module}.{names[0]}"] = names
+    return Missing(f"{module}.{names[0]}")
 
 
 def check():

@@ -21,8 +21,6 @@ TRAINER = private.module_attribute("keras.src.backend.jax.trainer", "Trainer", "
 # an epoch's last, fewer ones; in 3.7-3.15 it pulls each batch itself.
 PARTIAL_BATCHES = private.optional_attribute(
     "keras.src.trainers.data_adapters.data_adapter_utils", "PartialBatchList")
-
-
 STACKS_EXECUTIONS = PARTIAL_BATCHES is not None
 
 

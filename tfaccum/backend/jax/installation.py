@@ -20,9 +20,9 @@ class ModelInstallation(TrainFunctionInstallation):
         # Whether the train function runs inside `train_on_batch` (`execution_batches`).
         self.one_batch = False
         if _keras_on_jax.STACKS_EXECUTIONS:
-            # Keras' `fit` then hands a `train_function` that runs several
-            # steps stacked batches, its `train_on_batch` one plain batch: the
-            # same call, told apart here.
+            # Keras' `fit` then hands the train function stacked batches, its
+            # `train_on_batch` one plain batch, through the same call: told
+            # apart here.
             self._keras_train_on_batch = InstancePatch(model, "train_on_batch",
                                                        self._train_on_batch)
             self.patches.insert(0, self._keras_train_on_batch)
